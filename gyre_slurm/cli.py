@@ -1,0 +1,52 @@
+"""The `gyre` command. Each subcommand lives in its own module, which exposes
+`register(subparsers)`; this file only wires them together."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from gyre_slurm.errors import UserError
+
+# Modules that add a subcommand. Import is cheap: none imports an engine at module level.
+SUBCOMMAND_MODULES = (
+    "gyre_slurm.config.cli",
+    "gyre_slurm.sim.cli",
+    "gyre_slurm.traj.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gyre", description="Elastic RL of LLM agents on Slurm clusters."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        print(f"gyre {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0

@@ -1,0 +1,10 @@
+"""Error types. A `UserError` is a mistake the user can fix: its message says what was
+wrong and how to fix it, and the CLI prints it without a traceback."""
+
+
+class UserError(ValueError):
+    """Bad input from the user (config, files, arguments)."""
+
+
+class ConfigError(UserError):
+    """A config file or override that does not fit the schema."""
