@@ -14,7 +14,6 @@ from gyre_slurm.errors import UserError
 SUBCOMMAND_MODULES = (
     "gyre_slurm.config.cli",
     "gyre_slurm.sim.cli",
-    "gyre_slurm.traj.cli",
 )
 
 
@@ -26,13 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     for name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            continue
-        module.register(subparsers)
+        importlib.import_module(name).register(subparsers)
     return parser
 
 

@@ -1,0 +1,196 @@
+"""Strict loading of YAML into frozen dataclasses.
+
+The dataclasses are the schema. Loading fails, with a `ConfigError` that names the key
+path, on: an unknown key (with the closest valid key and the list of valid keys), a
+value of the wrong type (expected vs actual), or a value a `__post_init__` check refuses.
+`--set a.b=value` overrides are applied to the raw mapping before loading, so they go
+through the same checks. Values of overrides are parsed as YAML scalars (`4`, `0.5`,
+`true`, `[1, 2]`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+import yaml
+
+from gyre_slurm.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def load_yaml_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: the top level must be a mapping of sections, got {type(data).__name__}"
+        )
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of `data` with each `a.b.c=value` applied."""
+    out = _deep_copy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected KEY.PATH=VALUE, e.g. cluster.num_nodes=8")
+        parts = key.strip().split(".")
+        node = out
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: {part!r} is a value, not a section")
+            node = child
+        try:
+            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {item!r}: value is not valid YAML: {exc}") from exc
+    return out
+
+
+def from_dict(cls: type[T], data: Any, *, path: str = "") -> T:
+    """Build dataclass `cls` from a mapping, strictly."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or '<top>'}: expected a mapping, got {_describe(data)}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
+    for key in data:
+        if key not in fields:
+            raise ConfigError(_unknown_key_message(path, str(key), list(fields)))
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _convert(hints[name], value, path=_join(path, name))
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{path or '<top>'}: {exc}") from exc
+
+
+def to_dict(obj: Any) -> Any:
+    """The plain-data form of a config (for YAML/JSON output)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def dump_yaml(obj: Any) -> str:
+    return yaml.safe_dump(to_dict(obj), sort_keys=False, default_flow_style=None)
+
+
+def _convert(tp: Any, value: Any, *, path: str) -> Any:
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path=path)
+    if origin in (typing.Union, types.UnionType):
+        return _convert_union(tp, value, path=path)
+    if origin is Literal:
+        if value not in get_args(tp):
+            choices = ", ".join(repr(a) for a in get_args(tp))
+            raise ConfigError(f"{path}: expected one of {choices}, got {value!r}")
+        return value
+    if origin in (tuple, list):
+        return _convert_sequence(tp, value, path=path)
+    if origin is dict:
+        key_tp, val_tp = get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {_describe(value)}")
+        return {
+            _convert(key_tp, k, path=path): _convert(val_tp, v, path=_join(path, str(k)))
+            for k, v in value.items()
+        }
+    return _convert_scalar(tp, value, path=path)
+
+
+def _convert_union(tp: Any, value: Any, *, path: str) -> Any:
+    args = get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _convert(arg, value, path=path)
+        except ConfigError as exc:
+            errors.append(str(exc))
+    raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {'; or '.join(errors)}")
+
+
+def _convert_sequence(tp: Any, value: Any, *, path: str) -> Any:
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{path}: expected a list, got {_describe(value)}")
+    args = get_args(tp)
+    if get_origin(tp) is tuple and args and args[-1] is not Ellipsis:
+        if len(args) != len(value):
+            raise ConfigError(f"{path}: expected a list of {len(args)}, got {len(value)} items")
+        return tuple(_convert(a, v, path=f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    item_tp = args[0] if args else Any
+    items = [_convert(item_tp, v, path=f"{path}[{i}]") for i, v in enumerate(value)]
+    return tuple(items) if get_origin(tp) is tuple else items
+
+
+def _convert_scalar(tp: Any, value: Any, *, path: str) -> Any:
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {_describe(value)}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {_describe(value)}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {_describe(value)}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {_describe(value)}")
+        return value
+    raise TypeError(f"config schema uses an unsupported type {tp!r} at {path}")
+
+
+def _unknown_key_message(path: str, key: str, valid: list[str]) -> str:
+    where = _join(path, key)
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f" Did you mean {_join(path, close[0])!r}?" if close else ""
+    return f"unknown key {where!r}.{hint} Valid keys here: {', '.join(valid)}"
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _deep_copy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _deep_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deep_copy(v) for v in data]
+    return data

@@ -1,0 +1,230 @@
+"""The config schema: frozen dataclasses, one per section of the YAML file.
+
+A config file (and a simulator preset, which is the same thing) has the sections
+`cluster`, `scheduler`, `workload`, `rollout`, `training`, `handoff` and `sim`. Every
+field has a default; a file names only what it changes. Units are in the names
+(`_s` seconds, `_tokens`, `num_` counts). Checks that span fields live in
+`GyreConfig.__post_init__` and say which key to change.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from gyre_slurm.config.loader import apply_overrides, from_dict, load_yaml_file
+from gyre_slurm.errors import ConfigError
+
+PolicyName = Literal["elastic", "colocate", "async"]
+
+
+def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
+    ok = value >= 0 if allow_zero else value > 0
+    if not ok or (isinstance(value, float) and math.isnan(value)):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    num_nodes: int = 4
+    gpus_per_node: int = 8
+    cell_nodes: int = 1  # nodes per cell: the unit that changes role
+
+    def __post_init__(self) -> None:
+        _positive("num_nodes", self.num_nodes)
+        _positive("gpus_per_node", self.gpus_per_node)
+        _positive("cell_nodes", self.cell_nodes)
+        if self.num_nodes % self.cell_nodes:
+            raise ValueError(
+                f"num_nodes ({self.num_nodes}) is not a multiple of cell_nodes "
+                f"({self.cell_nodes}); set cluster.cell_nodes to a divisor of num_nodes"
+            )
+
+    @property
+    def num_cells(self) -> int:
+        return self.num_nodes // self.cell_nodes
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: PolicyName = "elastic"
+    min_rollout_cells: int = 1  # standalone floor: cells that always roll out
+    min_train_cells: int = 1  # standalone floor: cells that always train
+    streaming: bool = True  # train each group as it arrives, not the whole batch
+    drain: Literal["wait", "migrate"] = "migrate"  # how a releasing cell's runs leave
+    hysteresis: float = 0.5  # h in DESIGN 5: release while R - L >= 1 + h
+    confirm_s: float = 60.0  # a release condition must hold this long
+    forecast: bool = True  # use expected demand after the handoff, not demand now
+    cost_gate: bool = True  # move a cell only if the work it gains exceeds the cost
+    min_dwell_s: float = 300.0  # a cell stays at least this long in a role (anti-thrash)
+    reserve_horizon_s: float | None = None  # train reserve clears its backlog in this time
+    #                                         (None: a quarter of the mean run duration)
+    async_rollout_cells: int | None = None  # async: fixed rollout cells (None: even split)
+
+    def __post_init__(self) -> None:
+        _positive("min_rollout_cells", self.min_rollout_cells, allow_zero=True)
+        _positive("min_train_cells", self.min_train_cells, allow_zero=True)
+        _positive("hysteresis", self.hysteresis, allow_zero=True)
+        _positive("confirm_s", self.confirm_s, allow_zero=True)
+        _positive("min_dwell_s", self.min_dwell_s, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class DurationConfig:
+    """Run durations (wall time of one agent run at the reference load, seconds)."""
+
+    dist: Literal["lognormal", "trace"] = "lognormal"
+    mean_s: float = 600.0
+    sigma: float = 0.8  # of the underlying normal
+    max_s: float | None = None  # the agent's time limit: longer runs end there
+    trace_file: str | None = None  # dist=trace: one duration in seconds per line
+
+    def __post_init__(self) -> None:
+        _positive("mean_s", self.mean_s)
+        _positive("sigma", self.sigma, allow_zero=True)
+        if self.max_s is not None:
+            _positive("max_s", self.max_s)
+        if self.dist == "trace" and not self.trace_file:
+            raise ValueError("dist is 'trace' but trace_file is not set")
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    num_steps: int = 4
+    prompts_per_step: int = 8
+    group_size: int = 4  # runs per prompt (the GRPO group)
+    duration: DurationConfig = field(default_factory=DurationConfig)
+    tokens_mean: float = 20_000.0  # trained tokens of a run of mean duration
+    tokens_max: float = 1_000_000.0  # a run's context limit
+    llm_time_fraction: float = 0.5  # share of a run's time spent waiting on the model
+
+    def __post_init__(self) -> None:
+        for name in ("num_steps", "prompts_per_step", "group_size", "tokens_mean", "tokens_max"):
+            _positive(name, getattr(self, name))
+        if not 0.0 <= self.llm_time_fraction <= 1.0:
+            raise ValueError(f"llm_time_fraction must be in [0, 1], got {self.llm_time_fraction}")
+
+    @property
+    def runs_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    runs_per_node: int = 4  # concurrent runs a node serves at good throughput (a hard cap)
+    half_load_runs: float = 4.0  # decode throughput per cell ~ n / (n + half_load_runs)
+    reprefill_s: float = 30.0  # extra time a migrated run pays on its new cell
+    weight_sync_s: float = 10.0  # rollout cells stall this long to load a new policy
+    call_interval_s: float = 30.0  # mean time between a run's model calls (migration waits)
+
+    def __post_init__(self) -> None:
+        _positive("runs_per_node", self.runs_per_node)
+        _positive("half_load_runs", self.half_load_runs, allow_zero=True)
+        _positive("reprefill_s", self.reprefill_s, allow_zero=True)
+        _positive("weight_sync_s", self.weight_sync_s, allow_zero=True)
+        _positive("call_interval_s", self.call_interval_s)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    node_tokens_per_s: float = 2_000.0  # trained tokens/s of one node
+    scaling_efficiency: float = 0.95  # throughput kept per doubling of training nodes
+    min_replica_nodes: int = 1  # a model replica needs this many nodes to train at all
+    max_staleness: int = 1  # a trajectory may lag the trained policy by this many versions
+    optimizer_step_s: float = 5.0  # fixed cost per optimizer step
+    microbatch_tokens: float = 100_000.0  # token budget of a micro-batch
+
+    def __post_init__(self) -> None:
+        _positive("node_tokens_per_s", self.node_tokens_per_s)
+        if not 0.0 < self.scaling_efficiency <= 1.0:
+            raise ValueError(f"scaling_efficiency must be in (0, 1], got {self.scaling_efficiency}")
+        _positive("min_replica_nodes", self.min_replica_nodes)
+        _positive("max_staleness", self.max_staleness, allow_zero=True)
+        _positive("optimizer_step_s", self.optimizer_step_s, allow_zero=True)
+        _positive("microbatch_tokens", self.microbatch_tokens)
+
+
+@dataclass(frozen=True)
+class HandoffConfig:
+    """Seconds per phase of a handoff (the coordinator measures these in real runs)."""
+
+    engine_release_s: float = 10.0  # rollout engine frees the GPUs (sleep or stop)
+    group_rebuild_s: float = 5.0  # torch.distributed + parallel state rebuilt
+    train_state_load_s: float = 20.0  # new train member receives weights + optimizer
+    weight_load_s: float = 10.0  # rollout engine loads the current policy
+    engine_start_s: float = 20.0  # rollout engine starts or wakes
+
+    def __post_init__(self) -> None:
+        for name in ("engine_release_s", "group_rebuild_s", "train_state_load_s",
+                     "weight_load_s", "engine_start_s"):
+            _positive(name, getattr(self, name), allow_zero=True)
+
+    @property
+    def to_train_s(self) -> float:
+        return self.engine_release_s + self.group_rebuild_s + self.train_state_load_s
+
+    @property
+    def to_rollout_s(self) -> float:
+        return self.group_rebuild_s + self.weight_load_s + self.engine_start_s
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    seed: int = 0
+    policy_interval_s: float = 10.0  # how often the policy is asked (plus on each step)
+    async_splits: tuple[int, ...] | None = None  # rollout-cell counts to try (None: all)
+
+    def __post_init__(self) -> None:
+        _positive("policy_interval_s", self.policy_interval_s)
+
+
+@dataclass(frozen=True)
+class GyreConfig:
+    name: str = "unnamed"
+    description: str = ""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    handoff: HandoffConfig = field(default_factory=HandoffConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+
+    def __post_init__(self) -> None:
+        num_cells = self.cluster.num_cells
+        sched = self.scheduler
+        floors = sched.min_rollout_cells + sched.min_train_cells
+        if floors > num_cells:
+            raise ConfigError(
+                f"scheduler.min_rollout_cells + scheduler.min_train_cells = {floors} but the "
+                f"cluster has only {num_cells} cells ({self.cluster.num_nodes} nodes / "
+                f"cell_nodes {self.cluster.cell_nodes}); lower the floors or add nodes"
+            )
+        if self.training.min_replica_nodes > self.cluster.num_nodes:
+            raise ConfigError(
+                f"training.min_replica_nodes = {self.training.min_replica_nodes} exceeds "
+                f"cluster.num_nodes = {self.cluster.num_nodes}: the model cannot train"
+            )
+        if sched.async_rollout_cells is not None and not 0 < sched.async_rollout_cells < num_cells:
+            raise ConfigError(
+                f"scheduler.async_rollout_cells must be between 1 and {num_cells - 1} "
+                f"(the cluster has {num_cells} cells), got {sched.async_rollout_cells}"
+            )
+
+    @property
+    def cell_capacity(self) -> int:
+        """Concurrent runs one cell serves (the hard cap of the rollout model)."""
+        return self.rollout.runs_per_node * self.cluster.cell_nodes
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None,
+                *, base: dict | None = None) -> GyreConfig:
+    """Load a config file (or `base` data), apply `--set` overrides, check strictly."""
+    data = dict(base or {})
+    if path is not None:
+        data = load_yaml_file(path)
+    data = apply_overrides(data, list(overrides or []))
+    return from_dict(GyreConfig, data)

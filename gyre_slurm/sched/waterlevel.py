@@ -1,0 +1,63 @@
+"""The waterlevel (DESIGN 5) and the demand forecast behind it. Pure numpy.
+
+- demand = runs in flight + runs allowed to start now
+- waterlevel L = demand / capacity_per_cell: how many cells rollout needs now
+- forecast: the expected demand a horizon H from now, from the survival function of the
+  run-duration distribution: a run that has been going for `a` seconds is still going at
+  `a + H` with probability S(a + H) / S(a).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def waterlevel(*, runs_in_flight: int, runs_queued: int, cell_capacity: int) -> float:
+    return (runs_in_flight + runs_queued) / cell_capacity
+
+
+@dataclass(frozen=True)
+class DurationModel:
+    """Survival function of run durations, tabulated on a log grid for fast lookup."""
+
+    grid_s: np.ndarray  # increasing durations
+    survival: np.ndarray  # P(duration > grid_s[i])
+
+    @classmethod
+    def lognormal(cls, *, mean_s: float, sigma: float, max_s: float | None = None,
+                  num_points: int = 512) -> "DurationModel":
+        sigma = max(sigma, 1e-3)
+        mu = math.log(mean_s) - sigma * sigma / 2
+        lo, hi = math.exp(mu - 6 * sigma), math.exp(mu + 6 * sigma)
+        if max_s is not None:
+            hi = min(hi, max_s)
+            lo = min(lo, max_s / 2)
+        grid = np.geomspace(lo, hi, num_points)
+        surv = np.array([0.5 * math.erfc((math.log(x) - mu) / (sigma * math.sqrt(2))) for x in grid])
+        if max_s is not None:
+            surv[-1] = 0.0  # nothing outlives the agent's time limit
+        return cls(grid_s=grid, survival=surv)
+
+    @classmethod
+    def empirical(cls, durations_s: np.ndarray) -> "DurationModel":
+        d = np.sort(np.asarray(durations_s, dtype=float))
+        if d.size == 0:
+            raise ValueError("an empirical duration model needs at least one duration")
+        surv = 1.0 - np.arange(1, d.size + 1) / d.size
+        return cls(grid_s=d, survival=surv)
+
+    def sf(self, x_s: np.ndarray) -> np.ndarray:
+        return np.interp(x_s, self.grid_s, self.survival, left=1.0, right=0.0)
+
+    def expected_remaining_runs(self, elapsed_s: np.ndarray, horizon_s: float) -> float:
+        """Expected count of the given in-flight runs still running `horizon_s` from now."""
+        if elapsed_s.size == 0:
+            return 0.0
+        now = self.sf(elapsed_s)
+        later = self.sf(elapsed_s + horizon_s)
+        # Runs already past the model's support (slowed by load): assume half stay.
+        ratio = np.where(now > 1e-9, later / np.maximum(now, 1e-9), 0.5)
+        return float(ratio.sum())

@@ -1,0 +1,66 @@
+"""Lower bounds on the makespan of a workload, whatever the policy.
+
+- work bound: every run occupies 1/cap of a cell for its duration at best (a full cell
+  runs at the reference rate 1, the least cell-time per run), and every token costs at
+  least 1/(best per-node training throughput) node-seconds; all cells together cannot
+  do that work faster than (rollout + training cell-seconds) / number of cells, plus
+  the optimizer steps, which are serial.
+- critical path: step k trains batch k, whose runs may start only once step
+  k - s - 1 has finished (staleness bound s). Even alone on a cell a run takes
+  work / rate(1); step k ends no sooner than its last run plus the training of that
+  run's group on every cell, nor sooner than step k - 1 plus the whole batch trained
+  on every cell; each plus the optimizer step.
+
+The bound is the larger of the two. Handoff costs are not counted: they depend on the
+policy, and a bound must hold for all of them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from gyre_slurm.config.schema import GyreConfig
+from gyre_slurm.sim.rollout import RolloutCells
+from gyre_slurm.sim.training import train_throughput
+from gyre_slurm.sim.workload import Workload
+
+
+def best_node_throughput(cfg: GyreConfig) -> float:
+    """The highest trained tokens/s per node any training world reaches."""
+    t = cfg.training
+    smallest = math.ceil(t.min_replica_nodes / cfg.cluster.cell_nodes) * cfg.cluster.cell_nodes
+    return train_throughput(t, smallest) / smallest
+
+
+def lower_bound(cfg: GyreConfig, w: Workload, *, staleness: int | None = None) -> dict:
+    num_cells = cfg.cluster.num_cells
+    cap = cfg.cell_capacity
+    rollout_cell_s = float(w.work_s.sum()) / cap
+    train_cell_s = float(w.tokens.sum()) / (best_node_throughput(cfg) * cfg.cluster.cell_nodes)
+    opt_s = cfg.training.optimizer_step_s
+    work = (rollout_cell_s + train_cell_s) / num_cells + w.num_steps * opt_s
+    path = critical_path(cfg, w, staleness=cfg.training.max_staleness if staleness is None else staleness)
+    return {"lower_bound_s": max(work, path), "work_bound_s": work, "critical_path_s": path,
+            "rollout_cell_s": rollout_cell_s, "train_cell_s": train_cell_s}
+
+
+def critical_path(cfg: GyreConfig, w: Workload, *, staleness: int) -> float:
+    cells = RolloutCells(num_cells=1, capacity=cfg.cell_capacity,
+                         llm_fraction=cfg.workload.llm_time_fraction,
+                         half_load_runs=cfg.rollout.half_load_runs, num_runs=0)
+    rate = cells.rate_max
+    full = train_throughput(cfg.training, cfg.cluster.num_nodes)
+    opt_s = cfg.training.optimizer_step_s
+    finish = np.zeros(w.num_steps)
+    for k in range(w.num_steps):
+        sel = slice(k * w.runs_per_step, (k + 1) * w.runs_per_step)
+        last = int(np.argmax(w.work_s[sel])) + k * w.runs_per_step
+        group = w.group == w.group[last]
+        start = finish[k - staleness - 1] if k - staleness - 1 >= 0 else 0.0
+        prev = finish[k - 1] if k >= 1 else 0.0
+        tail = max(prev, start + w.work_s[last] / rate) + float(w.tokens[group].sum()) / full
+        whole = prev + float(w.tokens[sel].sum()) / full
+        finish[k] = max(tail, whole) + opt_s
+    return float(finish[-1])

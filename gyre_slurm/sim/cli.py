@@ -1,0 +1,93 @@
+"""`gyre sim`: compare elastic, colocate and async on a workload.
+
+  gyre sim --preset NAME [--json] [--plot FILE.png] [--set KEY=VALUE ...]
+  gyre sim --workload FILE.yaml ...
+  gyre sim --preset NAME --sweep cell_nodes=4,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+from pathlib import Path
+
+import yaml
+
+from gyre_slurm.config.cli import add_set_argument
+from gyre_slurm.config.presets import preset_names, preset_path
+from gyre_slurm.config.schema import GyreConfig, load_config
+from gyre_slurm.errors import UserError
+from gyre_slurm.sim.report import plot_timelines, print_table, to_json
+from gyre_slurm.sim.runner import compare
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("sim", help="simulate the policies on a workload and compare them")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", help=f"a shipped workload: {', '.join(preset_names())}")
+    src.add_argument("--workload", type=Path, help="a workload file (the config schema)")
+    add_set_argument(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object to stdout")
+    p.add_argument("--plot", metavar="FILE.png", help="draw each policy's cell roles over time")
+    p.add_argument("--sweep", metavar="KEY=V1,V2,...",
+                   help="repeat for each value of one key (e.g. cell_nodes=4,8)")
+    p.add_argument("--no-ablations", action="store_true", help="only elastic, colocate, async")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    path = preset_path(args.preset) if args.preset else args.workload
+    name = args.preset or Path(args.workload).stem
+    if args.sweep:
+        return run_sweep(args, path, name)
+    cfg = load_config(path, args.overrides)
+    comparison = compare(cfg, ablations=not args.no_ablations, base_dir=Path(path).parent)
+    summary = to_json(name=name, comparison=comparison)
+    if args.plot:
+        plot_timelines(comparison["results"], args.plot, title=f"gyre sim: {name}")
+    if args.json:
+        json.dump(summary, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print_table(summary)
+        if args.plot:
+            print(f"timelines written to {args.plot}")
+    return 0
+
+
+def sweep_key(key: str) -> str:
+    """`cell_nodes` -> `cluster.cell_nodes`: a short key names the one section holding it."""
+    if "." in key:
+        return key
+    hints = typing.get_type_hints(GyreConfig)
+    owners = [name for name, tp in hints.items() if dataclasses.is_dataclass(tp)
+              and key in {f.name for f in dataclasses.fields(tp)}]
+    if len(owners) != 1:
+        where = f"in {', '.join(owners)}" if owners else "in no section"
+        raise UserError(f"--sweep {key}: that key is {where}; give the full KEY.PATH")
+    return f"{owners[0]}.{key}"
+
+
+def run_sweep(args: argparse.Namespace, path: Path, name: str) -> int:
+    key, sep, values = args.sweep.partition("=")
+    if not sep or not values:
+        raise UserError(f"--sweep {args.sweep!r}: expected KEY=V1,V2,...")
+    full = sweep_key(key.strip())
+    points = []
+    for value in values.split(","):
+        overrides = list(args.overrides) + [f"{full}={value.strip()}"]
+        cfg = load_config(path, overrides)
+        comparison = compare(cfg, ablations=not args.no_ablations, base_dir=Path(path).parent)
+        summary = to_json(name=f"{name} {full}={value.strip()}", comparison=comparison)
+        summary["value"] = yaml.safe_load(value)
+        points.append(summary)
+        if not args.json:
+            print_table(summary)
+    if args.json:
+        json.dump({"preset": name, "sweep": full, "points": points}, sys.stdout)
+        sys.stdout.write("\n")
+    return 0
+

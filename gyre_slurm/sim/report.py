@@ -1,0 +1,94 @@
+"""Turning simulation results into the JSON object, a terminal table and a PNG."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gyre_slurm.sim.engine import SimResult
+
+ROLE_COLORS = {
+    "rollout": "#2ca02c", "train": "#1f77b4",
+    "draining->train": "#ffbb78", "draining->rollout": "#aec7e8",
+    "loading->train": "#9467bd", "loading->rollout": "#c5b0d5",
+    "failed": "#d62728",
+}
+
+
+def to_json(*, name: str, comparison: dict) -> dict[str, Any]:
+    bound = comparison["bound"]
+    lb = bound["lower_bound_s"]
+    results: dict[str, SimResult] = comparison["results"]
+    policies = {}
+    for pname, res in results.items():
+        entry = res.summary()
+        entry["ratio_to_lower_bound"] = round(res.makespan_s / lb, 4)
+        entry["trajectories_per_step"] = sorted(set(res.trajectories_per_step))
+        policies[pname] = entry
+    out = {
+        "preset": name,
+        "lower_bound_s": round(lb, 1),
+        "work_bound_s": round(bound["work_bound_s"], 1),
+        "critical_path_s": round(bound["critical_path_s"], 1),
+        "best_async_split": comparison["best_async_split"],
+        "policies": policies,
+    }
+    elastic = results["elastic"].makespan_s
+    out["elastic_speedup"] = {
+        f"vs_{other}": round(results[other].makespan_s / elastic, 4)
+        for other in ("colocate", "async", "async-even") if other in results
+    }
+    return out
+
+
+def print_table(summary: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    lb = summary["lower_bound_s"]
+    table = Table(title=f"{summary['preset']}: lower bound {lb / 3600:.2f} h "
+                        f"(work {summary['work_bound_s'] / 3600:.2f} h, critical path "
+                        f"{summary['critical_path_s'] / 3600:.2f} h); best async split "
+                        f"{summary['best_async_split']} rollout cells")
+    for col in ("policy", "hours", "x bound", "vs elastic", "busy", "handoffs", "migrated"):
+        table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+    elastic = summary["policies"]["elastic"]["makespan_s"]
+    for name, p in summary["policies"].items():
+        table.add_row(name, f"{p['makespan_s'] / 3600:.2f}", f"{p['ratio_to_lower_bound']:.3f}",
+                      f"{p['makespan_s'] / elastic:.3f}", f"{p['busy_fraction']:.1%}",
+                      str(p["handoffs"]), str(p["migrations"]))
+    console.print(table)
+
+
+def plot_timelines(results: dict[str, SimResult], path: str, *, title: str,
+                   names: tuple[str, ...] = ("elastic", "colocate", "async")) -> None:
+    """One panel per policy, one strip per cell, coloured by role over time (hours)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    names = tuple(n for n in names if n in results)
+    num_cells = 1 + max(c for r in results.values() for c, *_ in r.timeline)
+    horizon_h = max(results[n].makespan_s for n in names) / 3600
+    fig, axes = plt.subplots(len(names), 1, figsize=(12, 1.2 + 0.28 * num_cells * len(names)),
+                             sharex=True, squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        res = results[name]
+        for cell, t0, t1, label in res.timeline:
+            ax.broken_barh([(t0 / 3600, (t1 - t0) / 3600)], (cell - 0.4, 0.8),
+                           facecolors=ROLE_COLORS.get(label, "#7f7f7f"), linewidth=0)
+        ax.set_ylim(-0.6, num_cells - 0.4)
+        ax.set_xlim(0, horizon_h * 1.01)
+        ax.invert_yaxis()
+        ax.set_ylabel("cell")
+        ax.set_title(f"{name}: {res.makespan_s / 3600:.2f} h, busy {res.busy_fraction:.0%}, "
+                     f"{res.handoffs} handoffs", fontsize=10, loc="left")
+    axes[-1, 0].set_xlabel("hours")
+    handles = [Patch(color=c, label=l) for l, c in ROLE_COLORS.items() if l != "failed"]
+    fig.legend(handles=handles, loc="upper right", ncol=3, fontsize=8)
+    fig.suptitle(title, x=0.01, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,88 @@
+"""Sampling a workload: every run of every step, its duration and its trained tokens.
+
+Runs are ordered by step, then group (prompt), then member. A run's duration is its
+wall time at the reference load (a full cell); its trained tokens grow with its
+duration (`tokens_mean` at the mean duration), up to the context limit `tokens_max`.
+Deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from gyre_slurm.config.schema import DurationConfig, GyreConfig
+from gyre_slurm.errors import ConfigError
+from gyre_slurm.sched.waterlevel import DurationModel
+
+
+@dataclass(frozen=True)
+class Workload:
+    work_s: np.ndarray  # float64 per run: duration at the reference load
+    tokens: np.ndarray  # int64 per run: tokens trained from this run
+    batch: np.ndarray  # int64 per run: the step that trains it
+    group: np.ndarray  # int64 per run: global group (prompt) index
+    num_steps: int
+    runs_per_step: int
+    group_size: int
+
+    @property
+    def num_runs(self) -> int:
+        return int(self.work_s.size)
+
+
+def sample_durations(cfg: DurationConfig, num: int, rng: np.random.Generator,
+                     *, base_dir: Path | None = None) -> np.ndarray:
+    if cfg.dist == "trace":
+        trace = load_trace(cfg.trace_file, base_dir=base_dir)
+        out = rng.choice(trace, size=num, replace=True)
+    else:
+        mu = math.log(cfg.mean_s) - cfg.sigma ** 2 / 2
+        out = rng.lognormal(mean=mu, sigma=cfg.sigma, size=num)
+    if cfg.max_s is not None:
+        out = np.minimum(out, cfg.max_s)
+    return out.astype(np.float64)
+
+
+def load_trace(path: str | None, *, base_dir: Path | None = None) -> np.ndarray:
+    p = Path(path or "")
+    if not p.is_absolute() and base_dir is not None:
+        p = base_dir / p
+    try:
+        lines = p.read_text().split()
+    except OSError as exc:
+        raise ConfigError(f"workload.duration.trace_file {p}: {exc.strerror}") from exc
+    try:
+        values = np.array([float(x) for x in lines], dtype=np.float64)
+    except ValueError as exc:
+        raise ConfigError(f"{p}: expected one duration in seconds per line ({exc})") from exc
+    if values.size == 0 or np.any(values <= 0) or not np.all(np.isfinite(values)):
+        raise ConfigError(f"{p}: durations must be positive numbers, at least one")
+    return values
+
+
+def sample_workload(cfg: GyreConfig, *, base_dir: Path | None = None) -> Workload:
+    w = cfg.workload
+    rng = np.random.default_rng(cfg.sim.seed)
+    num = w.num_steps * w.runs_per_step
+    work = sample_durations(w.duration, num, rng, base_dir=base_dir)
+    mean = w.duration.mean_s
+    tokens = np.minimum(w.tokens_max, np.maximum(1.0, w.tokens_mean * work / mean))
+    index = np.arange(num)
+    return Workload(
+        work_s=work, tokens=np.rint(tokens).astype(np.int64),
+        batch=index // w.runs_per_step, group=index // w.group_size,
+        num_steps=w.num_steps, runs_per_step=w.runs_per_step, group_size=w.group_size,
+    )
+
+
+def duration_model(cfg: GyreConfig, *, base_dir: Path | None = None) -> DurationModel:
+    """The prior the elastic forecast uses: the configured distribution (a trace: its
+    empirical survival). The policy never sees the sampled durations themselves."""
+    d = cfg.workload.duration
+    if d.dist == "trace":
+        return DurationModel.empirical(load_trace(d.trace_file, base_dir=base_dir))
+    return DurationModel.lognormal(mean_s=d.mean_s, sigma=d.sigma, max_s=d.max_s)
