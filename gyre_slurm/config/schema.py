@@ -208,10 +208,20 @@ class GyreConfig:
                 f"training.min_replica_nodes = {self.training.min_replica_nodes} exceeds "
                 f"cluster.num_nodes = {self.cluster.num_nodes}: the model cannot train"
             )
-        if sched.async_rollout_cells is not None and not 0 < sched.async_rollout_cells < num_cells:
+        min_train = math.ceil(self.training.min_replica_nodes / self.cluster.cell_nodes)
+        if min_train > num_cells - sched.min_rollout_cells:
             raise ConfigError(
-                f"scheduler.async_rollout_cells must be between 1 and {num_cells - 1} "
-                f"(the cluster has {num_cells} cells), got {sched.async_rollout_cells}"
+                f"a training replica needs {min_train} cells (training.min_replica_nodes = "
+                f"{self.training.min_replica_nodes}, cluster.cell_nodes = "
+                f"{self.cluster.cell_nodes}) but only {num_cells - sched.min_rollout_cells} "
+                f"cells can ever train; lower scheduler.min_rollout_cells or add nodes"
+            )
+        most = num_cells - min_train
+        if sched.async_rollout_cells is not None and not 0 < sched.async_rollout_cells <= most:
+            raise ConfigError(
+                f"scheduler.async_rollout_cells must be between 1 and {most} (the cluster has "
+                f"{num_cells} cells and a training replica needs {min_train}), "
+                f"got {sched.async_rollout_cells}"
             )
 
     @property

@@ -70,7 +70,7 @@ class ElasticPolicy:
         rollout_side = len(obs.heading_to(Role.ROLLOUT))
         level = waterlevel(runs_in_flight=obs.runs_in_flight, runs_queued=obs.runs_queued,
                            cell_capacity=cap)
-        if level <= rollout_side + h:
+        if level <= rollout_side + h and rollout_side > 0:
             return []
         queue = obs.runs_queued
         if self.cfg.forecast:
@@ -80,6 +80,8 @@ class ElasticPolicy:
                 obs.run_elapsed_s, obs.handoff_to_rollout_s)
             queue = queue - finishing - incoming * cap
         need = math.ceil(queue / cap - h) if queue > h * cap else 0
+        if rollout_side == 0:
+            need = max(need, 1)  # queued runs and no server at all: hysteresis cannot wait
         if need <= 0:
             return []
         out = []
@@ -124,14 +126,17 @@ class ElasticPolicy:
         level = self._expected_level(obs) if self.cfg.forecast else waterlevel(
             runs_in_flight=obs.runs_in_flight, runs_queued=0, cell_capacity=cap)
         spare = rollout_side - level
-        if spare < 1 + h:
+        # With no rollout demand at all, an idle cell is spare whatever the hysteresis
+        # (else a small cluster could hold trainable work and never train it).
+        threshold = 1 + h if obs.runs_in_flight + obs.runs_queued else 1
+        if spare < threshold:
             self._release_since = None
             return []
         if self._release_since is None:
             self._release_since = obs.now_s
         if obs.now_s - self._release_since < self.cfg.confirm_s:
             return []
-        num = math.floor(spare - h)
+        num = math.floor(spare - (threshold - 1))
         if self.cfg.cost_gate:
             num = min(num, self._worth_releasing(obs))
         candidates = [c for c in obs.cells if c.role is Role.ROLLOUT and not c.standalone
@@ -154,9 +159,10 @@ class ElasticPolicy:
         demand = in_flight + obs.runs_queued
         # The next step's batch opens once the current step is trained: if that happens
         # within the horizon, its runs are demand now.
-        throughput = obs.train_tokens_per_cell_s * max(1, obs.count(Role.TRAIN))
-        if (obs.step_runs_left == 0 and obs.runs_future > 0
-                and obs.train_ready_tokens / throughput < horizon):
+        training = obs.count(Role.TRAIN)
+        throughput = obs.train_tokens_per_cell_s * training
+        if (obs.step_runs_left == 0 and obs.runs_future > 0 and training >= obs.min_train_cells
+                and obs.train_ready_tokens < throughput * horizon):
             demand += obs.runs_future
         return demand / obs.cell_capacity
 
@@ -172,8 +178,10 @@ class ElasticPolicy:
         round_trip_s = obs.handoff_to_train_s + obs.handoff_to_rollout_s
         training = len(obs.heading_to(Role.TRAIN))
         num = max(0, math.floor(work_cell_s / max(round_trip_s, 1e-9)) - training)
-        if 0 < training + num < obs.min_train_cells:
-            num = obs.min_train_cells - training  # a partial world trains nothing
+        if training + num < obs.min_train_cells and (num > 0 or tokens > 0):
+            # A partial world trains nothing, and work nobody can train blocks every
+            # later step: however small the work, training gets a whole world.
+            num = obs.min_train_cells - training
         return num
 
     def _dwelled(self, cell: CellObs, obs: Observation) -> bool:

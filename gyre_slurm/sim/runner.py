@@ -15,6 +15,7 @@ Names in a comparison:
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Callable
 
@@ -42,7 +43,8 @@ def named_policy(cfg: GyreConfig, name: str, *, base_dir: Path | None = None) ->
     factories: dict[str, Callable[[], Policy]] = {
         "elastic": lambda: make_elastic(cfg, base_dir=base_dir),
         "colocate": ColocatePolicy,
-        "async-even": lambda: AsyncPolicy(name="async-even"),
+        "async-even": lambda: AsyncPolicy(name="async-even", rollout_cells=min(
+            cfg.cluster.num_cells // 2, feasible_async_splits(cfg)[-1])),
         "elastic-nostream": lambda: make_elastic(cfg, base_dir=base_dir, streaming=False,
                                                  name="elastic-nostream"),
         "elastic-nofloor": lambda: make_elastic(cfg, base_dir=base_dir, min_rollout_cells=0,
@@ -62,12 +64,17 @@ def simulate(cfg: GyreConfig, policy: Policy, workload: Workload) -> SimResult:
     return Simulator(cfg, policy, workload).run()
 
 
+def feasible_async_splits(cfg: GyreConfig) -> tuple[int, ...]:
+    """Rollout-cell counts that leave training at least one whole model replica."""
+    min_train = math.ceil(cfg.training.min_replica_nodes / cfg.cluster.cell_nodes)
+    return tuple(range(1, cfg.cluster.num_cells - min_train + 1))
+
+
 def best_async(cfg: GyreConfig, workload: Workload, *, streaming: bool = False,
                name: str = "async") -> tuple[int, SimResult, dict[int, SimResult]]:
     """The split a careful user would tune to: the fastest of those tried. The makespan
     is close to unimodal in the split, so try a coarse grid, then its neighbours."""
-    num_cells = cfg.cluster.num_cells
-    splits = cfg.sim.async_splits or tuple(range(1, num_cells))
+    splits = cfg.sim.async_splits or feasible_async_splits(cfg)
     tried: dict[int, SimResult] = {}
 
     def run(r: int) -> SimResult:

@@ -1,0 +1,24 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def gyre():
+    """Run the real `gyre` command (a subprocess, as a user would)."""
+
+    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        proc = subprocess.run([sys.executable, "-m", "gyre_slurm", *args], env=env,
+                              capture_output=True, text=True, timeout=600)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"gyre {' '.join(args)} failed ({proc.returncode}):\n"
+                                 f"{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    return run
