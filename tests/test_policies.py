@@ -48,7 +48,7 @@ def naive(**kw):
 def smart(**kw):
     args = dict(confirm_s=60, min_dwell_s=0, hysteresis=0.5)
     args.update(kw)
-    return ElasticPolicy(SchedulerConfig(**args), durations=DURATIONS, reserve_horizon_s=900)
+    return ElasticPolicy(SchedulerConfig(**args), durations=DURATIONS, work_horizon_s=900)
 
 
 def test_waterlevel():
@@ -148,12 +148,11 @@ def test_train_reserve_survives_a_demand_jump():
     # A new step opens 100 runs at once while 4 cells train a large backlog: the reserve
     # (cells needed to clear 2.7M ready tokens in 900 s at 1000 tok/s: 3) stays in training.
     layout = [(R, 10), (T, 0), (T, 0), (T, 0), (T, 0)]
-    policy = smart()
+    policy = smart(train_reserve_s=900)
     got = policy.decide(obs(layout, in_flight=10, queued=100, ready=2_700_000.0))
     assert [d.cell_id for d in got] == [4]
     assert all(d.cause == "reclaim" for d in got)
-    no_gate = smart(cost_gate=False).decide(obs(layout, in_flight=10, queued=100,
-                                               ready=2_700_000.0))
+    no_gate = smart().decide(obs(layout, in_flight=10, queued=100, ready=2_700_000.0))
     assert sorted(d.cell_id for d in no_gate) == [2, 3, 4]
 
 

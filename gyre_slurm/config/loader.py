@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -22,6 +23,7 @@ import yaml
 from gyre_slurm.errors import ConfigError
 
 T = TypeVar("T")
+_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def load_yaml_file(path: str | Path) -> dict[str, Any]:
@@ -155,6 +157,8 @@ def _convert_sequence(tp: Any, value: Any, *, path: str) -> Any:
 
 def _convert_scalar(tp: Any, value: Any, *, path: str) -> Any:
     if tp is float:
+        if isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
+            return float(value)  # YAML 1.1 reads `1e9` as a string; take it as meant
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {_describe(value)}")
         return float(value)

@@ -60,8 +60,8 @@ class SchedulerConfig:
     forecast: bool = True  # use expected demand after the handoff, not demand now
     cost_gate: bool = True  # move a cell only if the work it gains exceeds the cost
     min_dwell_s: float = 300.0  # a cell stays at least this long in a role (anti-thrash)
-    reserve_horizon_s: float | None = None  # train reserve clears its backlog in this time
-    #                                         (None: a quarter of the mean run duration)
+    train_reserve_s: float | None = None  # reclaim keeps the train cells that clear the
+    #                                       ready backlog in this time (None: no reserve)
     async_rollout_cells: int | None = None  # async: fixed rollout cells (None: even split)
 
     def __post_init__(self) -> None:

@@ -5,9 +5,12 @@ calls is the start of the current release window (a time taken from observations
 
 Reclaim (train -> rollout), when runs queue for a server (L > R + h):
   1. cancel drains first: a rollout cell still draining towards training comes back free;
-  2. then take elastic train cells, keeping a *train reserve* (cost gate): the cells
-     training needs to clear its ready backlog within `reserve_horizon_s`, so a demand
-     jump at a new step cannot pull every cell out of training;
+  2. then take elastic train cells, the longest-serving first; optionally keeping a
+     *train reserve* (`train_reserve_s`): the cells training needs to clear its ready
+     backlog in that time, so a demand jump at a new step cannot pull every movable
+     cell out of training. The simulator says the reserve loses on every preset (runs
+     are long: a run started late costs more than a backlog trained late), so it is
+     off by default;
   3. with the forecast on, count only the queue expected to remain once a handoff
      could land (runs finishing meanwhile free their slots).
 Release (rollout -> train), when R - L >= 1 + h has held for `confirm_s`:
@@ -44,14 +47,14 @@ class ElasticPolicy:
     max_staleness = None
 
     def __init__(self, cfg: SchedulerConfig, *, durations: DurationModel | None = None,
-                 name: str = "elastic", reserve_horizon_s: float = 1800.0):
+                 name: str = "elastic", work_horizon_s: float = 1800.0):
         if cfg.forecast and durations is None:
             raise ValueError("the elastic forecast needs a duration model")
         self.cfg = cfg
         self.name = name
         self.streaming = cfg.streaming
         self.durations = durations
-        self.reserve_horizon_s = reserve_horizon_s
+        self.work_horizon_s = work_horizon_s  # how far ahead the release gate counts work
         self._release_since: float | None = None
 
     def initial_layout(self, num_cells: int) -> Layout:
@@ -102,7 +105,7 @@ class ElasticPolicy:
     def _takeable_train_cells(self, obs: Observation) -> list[CellObs]:
         train = [c for c in obs.cells if c.role is Role.TRAIN]
         movable = [c for c in train if not c.standalone and self._dwelled(c, obs)]
-        keep = self._train_reserve(obs) if self.cfg.cost_gate else 0
+        keep = self._train_reserve(obs)
         num_staying = len(train) + len([c for c in obs.cells if c.role is Role.LOADING
                                         and c.target is Role.TRAIN])
         allowed = max(0, num_staying - keep)
@@ -113,9 +116,9 @@ class ElasticPolicy:
         return movable[:allowed]
 
     def _train_reserve(self, obs: Observation) -> int:
-        if obs.train_ready_tokens <= 0:
+        if self.cfg.train_reserve_s is None or obs.train_ready_tokens <= 0:
             return 0
-        rate = obs.train_tokens_per_cell_s * self.reserve_horizon_s
+        rate = obs.train_tokens_per_cell_s * self.cfg.train_reserve_s
         cells = math.ceil(obs.train_ready_tokens / rate)
         return max(cells, obs.min_train_cells)
 
@@ -170,7 +173,7 @@ class ElasticPolicy:
         """How many more train cells the training work in sight pays for."""
         tokens = obs.train_ready_tokens + obs.train_waiting_tokens
         if self.durations is not None:
-            horizon = self.reserve_horizon_s
+            horizon = self.work_horizon_s
             finishing = obs.runs_in_flight - self.durations.expected_remaining_runs(
                 obs.run_elapsed_s, horizon)
             tokens += finishing * obs.tokens_per_run

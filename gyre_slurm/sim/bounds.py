@@ -1,10 +1,12 @@
 """Lower bounds on the makespan of a workload, whatever the policy.
 
 - work bound: every run occupies 1/cap of a cell for its duration at best (a full cell
-  runs at the reference rate 1, the least cell-time per run), and every token costs at
-  least 1/(best per-node training throughput) node-seconds; all cells together cannot
-  do that work faster than (rollout + training cell-seconds) / number of cells, plus
-  the optimizer steps, which are serial.
+  runs at the reference rate 1, the least cell-time per run). Training X tokens on a
+  world of w cells takes X / thr(w) wall seconds and w X / thr(w) cell-seconds; thr is
+  concave in w (scaling efficiency <= 1), so by Jensen a world of constant width is
+  the cheapest way to train X tokens in a given time. The makespan M therefore obeys,
+  for the best width w: X / thr(w) <= M and rollout + w X / thr(w) <= N M; the bound
+  is the least such M over every feasible w, plus the serial optimizer steps.
 - critical path: step k trains batch k, whose runs may start only once step
   k - s - 1 has finished (staleness bound s). Even alone on a cell a run takes
   work / rate(1); step k ends no sooner than its last run plus the training of that
@@ -35,15 +37,26 @@ def best_node_throughput(cfg: GyreConfig) -> float:
 
 
 def lower_bound(cfg: GyreConfig, w: Workload, *, staleness: int | None = None) -> dict:
-    num_cells = cfg.cluster.num_cells
     cap = cfg.cell_capacity
     rollout_cell_s = float(w.work_s.sum()) / cap
     train_cell_s = float(w.tokens.sum()) / (best_node_throughput(cfg) * cfg.cluster.cell_nodes)
-    opt_s = cfg.training.optimizer_step_s
-    work = (rollout_cell_s + train_cell_s) / num_cells + w.num_steps * opt_s
+    work = work_bound(cfg, rollout_cell_s=rollout_cell_s, tokens=float(w.tokens.sum()))
+    work += w.num_steps * cfg.training.optimizer_step_s
     path = critical_path(cfg, w, staleness=cfg.training.max_staleness if staleness is None else staleness)
     return {"lower_bound_s": max(work, path), "work_bound_s": work, "critical_path_s": path,
             "rollout_cell_s": rollout_cell_s, "train_cell_s": train_cell_s}
+
+
+def work_bound(cfg: GyreConfig, *, rollout_cell_s: float, tokens: float) -> float:
+    num_cells, cell_nodes = cfg.cluster.num_cells, cfg.cluster.cell_nodes
+    best = float("inf")
+    for width in range(1, num_cells + 1):
+        thr = train_throughput(cfg.training, width * cell_nodes)
+        if thr <= 0:
+            continue
+        wall = tokens / thr
+        best = min(best, max(wall, (rollout_cell_s + width * wall) / num_cells))
+    return best
 
 
 def critical_path(cfg: GyreConfig, w: Workload, *, staleness: int) -> float:

@@ -34,9 +34,8 @@ ABLATIONS = ("elastic-nostream", "elastic-nofloor", "elastic-naive", "async-stre
 def make_elastic(cfg: GyreConfig, *, base_dir: Path | None = None, name: str = "elastic",
                  **changes) -> ElasticPolicy:
     sched = dataclasses.replace(cfg.scheduler, **changes)
-    horizon = sched.reserve_horizon_s or cfg.workload.duration.mean_s / 4
     return ElasticPolicy(sched, durations=duration_model(cfg, base_dir=base_dir), name=name,
-                         reserve_horizon_s=horizon)
+                         work_horizon_s=cfg.workload.duration.mean_s / 4)
 
 
 def named_policy(cfg: GyreConfig, name: str, *, base_dir: Path | None = None) -> Policy:
