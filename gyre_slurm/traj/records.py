@@ -63,6 +63,7 @@ class RecordError:
     run_id: str | None
     call: int | None
     reason: str
+    kind: str = "record"  # "record": bad or inconsistent data; "status": run not ok
 
     def __str__(self) -> str:
         place = f"{self.file}:{self.where}" if self.where else self.file
@@ -73,7 +74,7 @@ class RecordError:
 
     def to_json(self) -> dict[str, Any]:
         return {"run": self.run_id, "call": self.call, "file": self.file,
-                "where": self.where, "reason": self.reason}
+                "where": self.where, "reason": self.reason, "kind": self.kind}
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,7 +96,7 @@ class CallRecord:
         obj = {
             "run_id": self.run_id, "call": self.call,
             "prompt_ids": self.prompt_ids.tolist(), "output_ids": self.output_ids.tolist(),
-            "output_logprobs": self.output_logprobs.tolist(),
+            "output_logprobs": f32_list(self.output_logprobs),
             "policy_version": self.policy_version, "t_start": self.t_start,
             "t_end": self.t_end, "finish_reason": self.finish_reason,
         }
@@ -111,6 +112,11 @@ class RunRecord:
     status: str
     reason: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def f32_list(arr: np.ndarray) -> list[float]:
+    """float32 values as the shortest decimals that read back to the same float32."""
+    return [float(str(x)) for x in np.asarray(arr, dtype=np.float32)]
 
 
 def _require(cond: bool, reason: str, run_id: str | None, call: int | None) -> None:

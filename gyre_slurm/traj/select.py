@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from gyre_slurm.traj.records import f32_list
 from gyre_slurm.traj.tree import PrefixTree
 
 
@@ -59,7 +60,7 @@ class Trajectory:
         """The DESIGN §4 trajectory line."""
         return {
             "run_id": self.run_id, "token_ids": self.token_ids.tolist(),
-            "loss_mask": self.loss_mask.tolist(), "logprobs": self.logprobs.tolist(),
+            "loss_mask": self.loss_mask.tolist(), "logprobs": f32_list(self.logprobs),
             "policy_version": self.policy_version, "advantage": self.advantage,
         }
 
