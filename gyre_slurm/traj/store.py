@@ -100,14 +100,14 @@ def _peek_names(body: bytes) -> tuple[str | None, int | None]:
     return run_id, fields[0]
 
 
-def decode_body(body: bytes) -> CallDelta:
+def decode_body(body: bytes | memoryview) -> CallDelta:
     """A `CallDelta` from a record body whose CRC matched; ValueError if inconsistent."""
     (call, parent, shared, num_new, num_out, version, t_start, t_end,
      n_run, n_finish, n_extra) = FIXED.unpack_from(body)
     pos = FIXED.size
-    run_id = body[pos:pos + n_run].decode()
-    finish = body[pos + n_run:pos + n_run + n_finish].decode()
-    extra_raw = body[pos + n_run + n_finish:pos + n_run + n_finish + n_extra]
+    run_id = bytes(body[pos:pos + n_run]).decode()
+    finish = bytes(body[pos + n_run:pos + n_run + n_finish]).decode()
+    extra_raw = bytes(body[pos + n_run + n_finish:pos + n_run + n_finish + n_extra])
     pos += n_run + n_finish + n_extra
     pos += -pos % 4
     if pos + 4 * num_new + 8 * num_out != len(body):
@@ -130,7 +130,7 @@ def _parse_at(buf: bytes, pos: int) -> tuple[CallDelta | None, int, str]:
     end = pos + HEAD.size + size
     if end > len(buf):
         return None, 0, "incomplete"
-    body = buf[pos + HEAD.size:end]
+    body = memoryview(buf)[pos + HEAD.size:end]  # no copy: arrays are views of `buf`
     if zlib.crc32(body) != crc:
         return None, 0, "CRC mismatch"
     try:
@@ -264,8 +264,8 @@ class CallStoreReader:
             if buf[:len(FILE_MAGIC)] != FILE_MAGIC:
                 self._offsets[path] = len(buf)
                 return [], [TornRecord(str(path), 0, len(buf), "not a call segment")]
-            buf, base = buf[len(FILE_MAGIC):], len(FILE_MAGIC)
-        calls, torn, end = scan(buf, 0, file=str(path), final=final)
+        start = len(FILE_MAGIC) if base == 0 else 0
+        calls, torn, end = scan(buf, start, file=str(path), final=final)
         self._offsets[path] = base + end
         calls = [(d, f, off + base) for d, f, off in calls]
         torn = [TornRecord(t.file, t.offset + base, t.num_bytes, t.reason, t.run_id, t.call)
