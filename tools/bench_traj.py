@@ -15,7 +15,7 @@ Measured, pinned to one CPU core:
     4 B x generated tokens;
   * for context: loading the store, and materializing the K trajectories.
 
-    tools/gyre-python tools/bench_traj.py   (or: source tools/env.sh; python tools/bench_traj.py)
+    bash -c 'source tools/env.sh && python tools/bench_traj.py'
 """
 
 from __future__ import annotations
@@ -72,6 +72,55 @@ def build_and_select(deltas, k):
     return tree, select_paths(tree, max_paths=k)
 
 
+def _peak_bytes(fn, *args) -> int:
+    tracemalloc.start()
+    try:
+        fn(*args)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def store_figures(args, run_dir: str) -> dict:
+    """Write the run through the call store; sizes, load time and load+build peak."""
+    naive = generated = 0
+    with CallStoreWriter(run_dir, "bench", fsync_interval_s=None) as writer:
+        for rec in synthetic_run(num_calls=args.calls, num_branches=args.branches,
+                                 num_tokens=args.tokens):
+            writer.append(rec)
+            naive += len(rec.prompt_ids) + len(rec.output_ids)
+            generated += len(rec.output_ids)
+    t0 = time.perf_counter()
+    loaded = load_store(run_dir)
+    load_s = time.perf_counter() - t0
+    assert not loaded.errors, loaded.errors
+    peak = _peak_bytes(lambda: build_and_select(load_store(run_dir).runs["bench-run"], args.k))
+    return {"deltas": loaded.runs["bench-run"], "naive_call_tokens": naive,
+            "generated_tokens": generated, "load_store_s": round(load_s, 4),
+            "load_build_select_peak_bytes": peak,
+            "store_bytes": sum(p.stat().st_size for p in Path(run_dir, "calls").iterdir())}
+
+
+def tree_figures(deltas, *, k: int, repeats: int) -> dict:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        tree, selection = build_and_select(deltas, k)
+        times.append(time.perf_counter() - t0)
+    peak = _peak_bytes(build_and_select, deltas, k)
+    t0 = time.perf_counter()
+    trajs = materialize(tree, selection)
+    return {
+        "tree": tree, "distinct_tokens": tree.num_tokens, "tree_edges": tree.num_edges,
+        "leaves": len(tree.leaves), "build_select_s_median": round(statistics.median(times), 4),
+        "build_select_s_all": [round(t, 4) for t in times], "peak_bytes": peak,
+        "materialize_s": round(time.perf_counter() - t0, 4), "trajectories": len(trajs),
+        "trainable_tokens": tree.num_trainable,
+        "trained_tokens": sum(t.num_trained for t in trajs),
+        "trajectory_tokens": sum(len(t) for t in trajs),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=400)
@@ -82,63 +131,23 @@ def main() -> int:
     args = ap.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
-
     with tempfile.TemporaryDirectory() as run_dir:
-        naive = generated = 0
-        with CallStoreWriter(run_dir, "bench", fsync_interval_s=None) as writer:
-            for rec in synthetic_run(num_calls=args.calls, num_branches=args.branches,
-                                     num_tokens=args.tokens):
-                writer.append(rec)
-                naive += len(rec.prompt_ids) + len(rec.output_ids)
-                generated += len(rec.output_ids)
-        store_bytes = sum(p.stat().st_size for p in Path(run_dir, "calls").iterdir())
-        t0 = time.perf_counter()
-        loaded = load_store(run_dir)
-        load_s = time.perf_counter() - t0
-        del loaded
-        tracemalloc.start()
-        loaded = load_store(run_dir)
-        build_and_select(loaded.runs["bench-run"], args.k)
-        _, load_peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-    assert not loaded.errors, loaded.errors
-    deltas = loaded.runs["bench-run"]
-
-    times = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        tree, selection = build_and_select(deltas, args.k)
-        times.append(time.perf_counter() - t0)
-    tracemalloc.start()
-    build_and_select(deltas, args.k)
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    t0 = time.perf_counter()
-    trajs = materialize(tree, selection)
-    materialize_s = time.perf_counter() - t0
-
+        fig = store_figures(args, run_dir)
+    fig.update(tree_figures(fig.pop("deltas"), k=args.k, repeats=args.repeats))
+    tree = fig.pop("tree")
     distinct_bytes = 4 * tree.num_tokens
-    bound = 4 * tree.num_tokens + 4 * generated
-    figures = {
-        "calls": len(deltas), "branches": args.branches, "k": args.k,
-        "distinct_tokens": tree.num_tokens, "generated_tokens": generated,
-        "naive_call_tokens": naive, "tree_edges": tree.num_edges,
-        "leaves": len(tree.leaves),
-        "build_select_s_median": round(statistics.median(times), 4),
-        "build_select_s_all": [round(t, 4) for t in times],
-        "peak_bytes": peak, "distinct_token_bytes": distinct_bytes,
-        "peak_vs_distinct_bytes": round(peak / distinct_bytes, 3),
-        "store_bytes": store_bytes, "store_bound_bytes": bound,
-        "store_vs_bound": round(store_bytes / bound, 4),
-        "load_store_s": round(load_s, 4), "load_build_select_peak_bytes": load_peak,
-        "load_build_select_peak_vs_distinct_bytes": round(load_peak / distinct_bytes, 3), "materialize_s": round(materialize_s, 4),
-        "trajectories": len(trajs), "trained_tokens": sum(t.num_trained for t in trajs),
-        "trainable_tokens": tree.num_trainable,
-        "trajectory_tokens": sum(len(t) for t in trajs),
-    }
-    print(json.dumps(figures, indent=2))
-    ok = (figures["build_select_s_median"] < 1.0 and figures["peak_vs_distinct_bytes"] < 3
-          and figures["store_vs_bound"] <= 1.1)
+    bound = 4 * tree.num_tokens + 4 * fig["generated_tokens"]
+    fig.update({
+        "calls": args.calls, "branches": args.branches, "k": args.k,
+        "distinct_token_bytes": distinct_bytes,
+        "peak_vs_distinct_bytes": round(fig["peak_bytes"] / distinct_bytes, 3),
+        "load_build_select_peak_vs_distinct_bytes":
+            round(fig["load_build_select_peak_bytes"] / distinct_bytes, 3),
+        "store_bound_bytes": bound, "store_vs_bound": round(fig["store_bytes"] / bound, 4),
+    })
+    print(json.dumps(fig, indent=2))
+    ok = (fig["build_select_s_median"] < 1.0 and fig["peak_vs_distinct_bytes"] < 3
+          and fig["store_vs_bound"] <= 1.1)
     print("targets (< 1 s, peak < 3x distinct bytes, store <= 1.1x bound):",
           "met" if ok else "NOT met")
     return 0 if ok else 1

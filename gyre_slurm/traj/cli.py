@@ -21,16 +21,16 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from rich.console import Console
 
 from gyre_slurm.errors import UserError
-from gyre_slurm.traj.delta import CallDelta, check_run, decode_run
+from gyre_slurm.traj.delta import CallDelta, DeltaEncoder, check_run, decode_run
 from gyre_slurm.traj.dump import dump_run, rich_tree, tree_lines
 from gyre_slurm.traj.pack import pack, packing_stats
-from gyre_slurm.traj.process import as_deltas, process, process_run
+from gyre_slurm.traj.process import process, process_run
 from gyre_slurm.traj.records import (
     Loaded, RecordError, RunRecord, collect_calls, collect_runs,
 )
@@ -91,12 +91,15 @@ def _add_show(sub) -> None:
     p.set_defaults(func=run_show)
 
 
-def _read_lines(path: str) -> list[str]:
+def _read_lines(path: str) -> Iterator[str]:
+    """The lines of a text file, streamed; an unreadable file is a UserError."""
     try:
         with open(path, encoding="utf-8") as f:
-            return f.readlines()
+            yield from f
     except OSError as exc:
         raise UserError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
 def atomic_write_lines(path: str, lines: Iterable[str]) -> None:
@@ -121,8 +124,10 @@ def load_calls(path: str, *, vocab_size: int | None = None) -> Loaded[CallDelta]
     if os.path.isdir(path):
         if not os.path.isdir(os.path.join(path, "calls")):
             raise UserError(f"{path} has no calls/ directory: not a run dir")
-        return load_store(path)
-    return as_deltas(collect_calls(_read_lines(path), file=path, vocab_size=vocab_size))
+        return load_store(path, vocab_size=vocab_size)
+    encoder = DeltaEncoder()
+    return collect_calls(_read_lines(path), file=path, vocab_size=vocab_size,
+                         transform=encoder.encode)
 
 
 def load_runs(path: str) -> tuple[dict[str, RunRecord], list[RecordError]]:
@@ -134,7 +139,7 @@ def load_runs(path: str) -> tuple[dict[str, RunRecord], list[RecordError]]:
     for file in files:
         lines = _read_lines(file)
         if file.endswith(".json") and file != path:
-            lines = [" ".join(line.strip() for line in lines)]
+            lines = iter([" ".join(line.strip() for line in lines)])
         got, errs = collect_runs(lines, file=file)
         for rid in got.keys() & runs.keys():
             errors.append(RecordError(file, "", rid, None, "duplicate run record"))

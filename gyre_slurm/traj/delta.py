@@ -91,6 +91,12 @@ class DeltaEncoder:
         """Drop a finished run's state; its later calls (if any) get no parent."""
         self._recent.pop(run_id, None)
 
+    def forget_last(self, run_id: str) -> None:
+        """Take back the latest `encode` of a run (its record was not stored)."""
+        recent = self._recent.get(run_id)
+        if recent:
+            recent.pop()
+
     def _best_parent(self, run_id: str, prompt: np.ndarray) -> tuple[int, int]:
         best_call, best_len = -1, 0
         for i, (call, p_prompt, p_output) in enumerate(reversed(self._recent.get(run_id, ()))):
@@ -105,7 +111,8 @@ class DeltaEncoder:
         parent, shared = self._best_parent(rec.run_id, rec.prompt_ids)
         recent = self._recent.setdefault(rec.run_id, deque(maxlen=self.num_recent))
         recent.append((rec.call, rec.prompt_ids, rec.output_ids))
-        return CallDelta(rec.run_id, rec.call, parent, shared, rec.prompt_ids[shared:],
+        new_ids = rec.prompt_ids[shared:].copy()  # a copy: the full prompt can be freed
+        return CallDelta(rec.run_id, rec.call, parent, shared, new_ids,
                          rec.output_ids, rec.output_logprobs, rec.policy_version,
                          rec.t_start, rec.t_end, rec.finish_reason, rec.extra)
 

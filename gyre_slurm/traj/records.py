@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -299,10 +299,12 @@ class RunCollector(Generic[T]):
         return Loaded(runs, self.errors)
 
 
-def collect_calls(lines: Iterable[str], *, file: str,
-                  vocab_size: int | None = None) -> Loaded[CallRecord]:
-    """Parse JSONL call records; bad ones become errors that leave their run out."""
-    collector: RunCollector[CallRecord] = RunCollector()
+def collect_calls(lines: Iterable[str], *, file: str, vocab_size: int | None = None,
+                  transform: Callable[[CallRecord], Any] | None = None) -> Loaded[Any]:
+    """Parse JSONL call records; bad ones become errors that leave their run out. Each
+    good record is kept as `transform(record)` (default: the record itself), applied in
+    file order, so a caller can keep a compact form (e.g. `delta.DeltaEncoder.encode`)."""
+    collector: RunCollector[Any] = RunCollector()
     for num, obj in iter_json_lines(lines):
         where = f"line {num}"
         try:
@@ -316,7 +318,8 @@ def collect_calls(lines: Iterable[str], *, file: str,
             collector.error(file=file, where=where, run_id=run_id, call=call,
                             reason=exc.reason)
             continue
-        collector.add(rec, run_id=rec.run_id, call=rec.call, file=file, where=where)
+        item = rec if transform is None else transform(rec)
+        collector.add(item, run_id=rec.run_id, call=rec.call, file=file, where=where)
     return collector.finish(call_of=lambda r: r.call)
 
 

@@ -39,7 +39,9 @@ import numpy as np
 
 from gyre_slurm.errors import UserError
 from gyre_slurm.traj.delta import CallDelta, DeltaEncoder
-from gyre_slurm.traj.records import CallRecord, Loaded, RecordError, RunCollector, parse_call
+from gyre_slurm.traj.records import (
+    BadRecord, CallRecord, Loaded, RecordError, RunCollector, check_ids, parse_call,
+)
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +212,15 @@ class CallStoreWriter:
         if not isinstance(record, CallRecord):
             record = parse_call(record, vocab_size=self.vocab_size)
         delta = self._encoder.encode(record)
+        try:  # the shared prefix was checked with its parent
+            check_ids(delta.new_ids, name="prompt_ids", vocab_size=self.vocab_size)
+            check_ids(delta.output_ids, name="output_ids", vocab_size=self.vocab_size)
+            if len(delta.output_ids) != len(delta.output_logprobs):
+                raise ValueError(f"{len(delta.output_ids)} output_ids but "
+                                 f"{len(delta.output_logprobs)} output_logprobs")
+        except ValueError as exc:
+            self._encoder.forget_last(record.run_id)
+            raise BadRecord(str(exc), run_id=record.run_id, call=record.call) from None
         data = encode_record(delta)
         written = os.write(self._fd, data)
         if written != len(data):
@@ -283,9 +294,11 @@ class CallStoreReader:
         return PollResult(tuple(calls), tuple(torn))
 
 
-def load_store(run_dir: str | os.PathLike) -> Loaded[CallDelta]:
-    """Every finished call in the store, grouped by run; torn records and inconsistent
-    runs become errors (a torn record whose run is known leaves that run out)."""
+def load_store(run_dir: str | os.PathLike, *,
+               vocab_size: int | None = None) -> Loaded[CallDelta]:
+    """Every finished call in the store, grouped by run; torn records, ids out of vocab
+    and bad call numbering become errors (a torn record whose run is known leaves that
+    run out). Parent references are checked by `delta.check_run`."""
     result = CallStoreReader(run_dir).poll(final=True)
     collector: RunCollector[CallDelta] = RunCollector()
     for t in result.torn:
@@ -293,5 +306,12 @@ def load_store(run_dir: str | os.PathLike) -> Loaded[CallDelta]:
         collector.error(file=err.file, where=err.where, run_id=err.run_id, call=err.call,
                         reason=err.reason)
     for d, file, off in result.calls:
+        try:
+            check_ids(d.new_ids, name="new prompt ids", vocab_size=vocab_size)
+            check_ids(d.output_ids, name="output_ids", vocab_size=vocab_size)
+        except ValueError as exc:
+            collector.error(file=file, where=f"offset {off}", run_id=d.run_id, call=d.call,
+                            reason=str(exc))
+            continue
         collector.add(d, run_id=d.run_id, call=d.call, file=file, where=f"offset {off}")
     return collector.finish(call_of=lambda d: d.call)
