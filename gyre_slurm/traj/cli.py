@@ -2,7 +2,7 @@
 between the call store and JSONL.
 
     gyre traj build CALLS [--runs RUNS] [--max-per-run K] -o OUT.jsonl [--stats]
-    gyre traj show RUN_DIR RUN_ID [--max-per-run K] [--dump | --plain]
+    gyre traj show RUN_DIR RUN_ID [--max-per-run K] [--dump | --plain] [--edges]
     gyre traj export RUN_DIR -o CALLS.jsonl
     gyre traj import CALLS.jsonl RUN_DIR [--writer-id ID]
 
@@ -87,6 +87,8 @@ def _add_show(sub) -> None:
     mode.add_argument("--dump", action="store_true",
                       help="plain tree, then each trajectory as aligned token/mask rows")
     mode.add_argument("--plain", action="store_true", help="plain-text tree")
+    p.add_argument("--edges", action="store_true",
+                   help="one line per tree edge (default: per chain between branch points)")
     p.add_argument("--width", type=_positive, default=100, help="row width for --dump")
     p.set_defaults(func=run_show)
 
@@ -198,9 +200,9 @@ def run_show(args: argparse.Namespace) -> int:
         sys.stdout.write(dump_run(result.tree, result.selection, result.trajectories,
                                   width=args.width))
     elif args.plain:
-        print("\n".join(tree_lines(result.tree, result.selection)))
+        print("\n".join(tree_lines(result.tree, result.selection, collapse=not args.edges)))
     else:
-        Console().print(rich_tree(result.tree, result.selection))
+        Console().print(rich_tree(result.tree, result.selection, collapse=not args.edges))
     return 0
 
 
