@@ -108,3 +108,18 @@ def test_show_draws_the_tree_with_counts(files, tmp_path, capsys):
     assert "mask       .     .     .     1     1     .     1" in dumped
     assert main(["traj", "show", str(run_dir), "nobody"]) == 2
     assert "no calls of run 'nobody'" in capsys.readouterr().err
+
+
+def test_runs_can_be_a_directory_of_run_records(tmp_path):
+    calls = _jsonl(tmp_path / "c.jsonl", [c.to_json() for c in GOOD + OTHER])
+    runs_dir = tmp_path / "runs"
+    runs_dir.mkdir()
+    (runs_dir / "good.json").write_text(json.dumps(
+        {"run_id": "good", "task_id": "t", "reward": 3.0, "status": "ok"}, indent=2))
+    _jsonl(runs_dir / "more.jsonl", [{"run_id": "other", "task_id": "t", "reward": 1.0,
+                                      "status": "ok"}])
+    out = tmp_path / "out.jsonl"
+    assert main(["traj", "build", calls, "--runs", str(runs_dir), "-o", str(out)]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(t["run_id"], t["advantage"]) for t in lines] == [
+        ("good", 1.0), ("good", 1.0), ("other", -1.0)]

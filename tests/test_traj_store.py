@@ -15,7 +15,7 @@ from gyre_slurm.errors import UserError
 from gyre_slurm.traj.delta import decode_run
 from gyre_slurm.traj.records import collect_calls, parse_call
 from gyre_slurm.traj.store import (
-    FILE_MAGIC, CallStoreReader, CallStoreWriter, encode_record, load_store,
+    FILE_MAGIC, CallStoreReader, CallStoreWriter, RunBuffer, encode_record, load_store,
 )
 
 S = [1001, 1002, 1003]
@@ -206,3 +206,33 @@ def test_parse_call_rounds_logprobs_to_float32_once():
 def test_store_files_live_under_calls(tmp_path):
     _write(tmp_path, _grow(1), writer_id="gw-7")
     assert sorted(p.name for p in Path(tmp_path, "calls").iterdir()) == ["gw-7.seg"]
+
+
+def test_run_buffer_hands_out_runs_while_writers_append(tmp_path):
+    a, b = _grow(3, run_id="a"), _grow(2, run_id="b")
+    buffer = RunBuffer(tmp_path)
+    with CallStoreWriter(tmp_path, "w0", fsync_interval_s=None) as w:
+        for rec in [a[0], b[0], a[1]]:
+            w.append(rec)
+        assert buffer.poll() == [] and buffer.run_ids() == ["a", "b"]
+        w.append(b[1])
+        buffer.poll()
+        done = buffer.take("b")  # run b's record says it is over
+        w.append(a[2])
+    buffer.poll(final=True)
+    assert [r.to_json() for r in decode_run(done.runs["b"])] == [c.to_json() for c in b]
+    rest = buffer.take("a")
+    assert [r.to_json() for r in decode_run(rest.runs["a"])] == [c.to_json() for c in a]
+    assert buffer.run_ids() == [] and buffer.take("a").runs == {}
+
+
+def test_run_buffer_rejects_a_run_with_a_torn_record(tmp_path):
+    _write(tmp_path, _grow(2, run_id="a"))
+    seg = tmp_path / "calls" / "w0.seg"
+    os.truncate(seg, seg.stat().st_size - 3)
+    buffer = RunBuffer(tmp_path)
+    assert buffer.poll() == [] and buffer.take("a").runs["a"][0].call == 0  # live: waits
+    buffer = RunBuffer(tmp_path)
+    assert buffer.poll(final=True) == []  # the torn record names its run
+    taken = buffer.take("a")
+    assert taken.runs == {} and taken.errors[0].call == 1

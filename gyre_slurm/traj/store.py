@@ -31,6 +31,7 @@ import re
 import struct
 import time
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -221,11 +222,11 @@ class CallStoreWriter:
         except ValueError as exc:
             self._encoder.forget_last(record.run_id)
             raise BadRecord(str(exc), run_id=record.run_id, call=record.call) from None
-        data = encode_record(delta)
-        written = os.write(self._fd, data)
-        if written != len(data):
-            raise OSError(f"{self.path}: short write ({written} of {len(data)} bytes)")
-        self.num_bytes += written
+        data = memoryview(encode_record(delta))
+        done = 0
+        while done < len(data):  # a short write is finished, never left torn
+            done += os.write(self._fd, data[done:])
+        self.num_bytes += done
         interval = self.fsync_interval_s
         if interval is not None and time.monotonic() - self._last_sync >= interval:
             self.flush()
@@ -294,18 +295,13 @@ class CallStoreReader:
         return PollResult(tuple(calls), tuple(torn))
 
 
-def load_store(run_dir: str | os.PathLike, *,
-               vocab_size: int | None = None) -> Loaded[CallDelta]:
-    """Every finished call in the store, grouped by run; torn records, ids out of vocab
-    and bad call numbering become errors (a torn record whose run is known leaves that
-    run out). Parent references are checked by `delta.check_run`."""
-    result = CallStoreReader(run_dir).poll(final=True)
-    collector: RunCollector[CallDelta] = RunCollector()
-    for t in result.torn:
+def _collect(collector: RunCollector[CallDelta], items: list[tuple[CallDelta, str, int]],
+             torn: Iterable[TornRecord], vocab_size: int | None) -> None:
+    for t in torn:
         err = t.to_error()
         collector.error(file=err.file, where=err.where, run_id=err.run_id, call=err.call,
                         reason=err.reason)
-    for d, file, off in result.calls:
+    for d, file, off in items:
         try:
             check_ids(d.new_ids, name="new prompt ids", vocab_size=vocab_size)
             check_ids(d.output_ids, name="output_ids", vocab_size=vocab_size)
@@ -314,4 +310,50 @@ def load_store(run_dir: str | os.PathLike, *,
                             reason=str(exc))
             continue
         collector.add(d, run_id=d.run_id, call=d.call, file=file, where=f"offset {off}")
+
+
+def load_store(run_dir: str | os.PathLike, *,
+               vocab_size: int | None = None) -> Loaded[CallDelta]:
+    """Every finished call in the store, grouped by run; torn records, ids out of vocab
+    and bad call numbering become errors (a torn record whose run is known leaves that
+    run out). Parent references are checked by `delta.check_run`."""
+    result = CallStoreReader(run_dir).poll(final=True)
+    collector: RunCollector[CallDelta] = RunCollector()
+    _collect(collector, list(result.calls), result.torn, vocab_size)
     return collector.finish(call_of=lambda d: d.call)
+
+
+class RunBuffer:
+    """Follows a live store: `poll` reads what writers appended since the last poll and
+    keeps each run's calls; `take(run_id)` hands out a finished run (once its run record
+    says it is over) with its numbering checked. A torn record whose run is known is an
+    error of that run; one of an unknown run is returned by `poll` for the caller to log.
+    Call `poll(final=True)` only once every writer has stopped."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, vocab_size: int | None = None):
+        self.reader = CallStoreReader(run_dir)
+        self.vocab_size = vocab_size
+        self._items: dict[str, list[tuple[CallDelta, str, int]]] = {}
+        self._torn: dict[str, list[TornRecord]] = {}
+
+    def poll(self, *, final: bool = False) -> list[TornRecord]:
+        result = self.reader.poll(final=final)
+        for item in result.calls:
+            self._items.setdefault(item[0].run_id, []).append(item)
+        unknown = []
+        for t in result.torn:
+            if t.run_id is None:
+                unknown.append(t)
+            else:
+                self._torn.setdefault(t.run_id, []).append(t)
+        return unknown
+
+    def run_ids(self) -> list[str]:
+        return sorted(self._items.keys() | self._torn.keys())
+
+    def take(self, run_id: str) -> Loaded[CallDelta]:
+        """The run's calls so far (and forget them): `runs` holds it unless it is bad."""
+        collector: RunCollector[CallDelta] = RunCollector()
+        _collect(collector, self._items.pop(run_id, []), self._torn.pop(run_id, []),
+                 self.vocab_size)
+        return collector.finish(call_of=lambda d: d.call)
