@@ -91,7 +91,8 @@ def test_rejected_runs_say_why_and_others_are_kept():
     orphan = encode_run(mk_run([(S, [2001])], run_id="orphan"))
     runs = {"ok": RunRecord("ok", "t", 1.0, "ok"), "broken": RunRecord("broken", "t", 0, "ok"),
             "failed": RunRecord("failed", "t", 0.0, "timeout", "wall clock"),
-            "empty": RunRecord("empty", "t", 0.0, "ok")}
+            "empty": RunRecord("empty", "t", 0.0, "ok"),
+            "crashed": RunRecord("crashed", "t", 0.0, "failed")}
     loaded = Loaded({"ok": ok, "broken": broken, "failed": failed, "orphan": orphan}, [])
     result = process(loaded, runs=runs, calls_file="c.jsonl", runs_file="r.jsonl")
     assert [r.run_id for r in result.runs] == ["ok"]
@@ -101,4 +102,5 @@ def test_rejected_runs_say_why_and_others_are_kept():
         "failed": (None, "run status timeout: wall clock", "status"),
         "orphan": (None, "no run record", "record"),
         "empty": (None, "run has no calls", "record"),
+        "crashed": (None, "run status failed (no reason given)", "status"),
     }

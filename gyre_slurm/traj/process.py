@@ -77,20 +77,21 @@ def as_deltas(loaded: Loaded[CallRecord]) -> Loaded[CallDelta]:
                   loaded.errors)
 
 
-def _status_errors(run_ids: Sequence[str], runs: Mapping[str, RunRecord], *,
+def _status_errors(run_ids: set[str], runs: Mapping[str, RunRecord], *,
                    calls_file: str, runs_file: str) -> dict[str, RecordError]:
+    """Runs left out for their run record: status not ok (every such run, with or without
+    calls), no run record for a run with calls, or an ok run without calls."""
     bad = {}
-    for rid in run_ids:
-        rec = runs.get(rid)
-        if rec is None:
-            bad[rid] = RecordError(runs_file, "", rid, None, "no run record")
-        elif rec.status != "ok":
+    for rid, rec in runs.items():
+        if rec.status != "ok":
             why = f": {rec.reason}" if rec.reason else " (no reason given)"
             bad[rid] = RecordError(runs_file, "", rid, None, f"run status {rec.status}{why}",
                                    kind="status")
-    for rid, rec in runs.items():
-        if rec.status == "ok" and rid not in run_ids:
+        elif rid not in run_ids:
             bad[rid] = RecordError(calls_file, "", rid, None, "run has no calls")
+    for rid in run_ids:
+        if rid not in runs:
+            bad[rid] = RecordError(runs_file, "", rid, None, "no run record")
     return bad
 
 
@@ -103,7 +104,7 @@ def process(loaded: Loaded[CallDelta], *, max_per_run: int = 5,
     known_bad = {e.run_id for e in rejected}
     advantages: dict[str, float] = {}
     if runs is not None:
-        status = _status_errors(list(loaded.runs), runs, calls_file=calls_file,
+        status = _status_errors(set(loaded.runs), runs, calls_file=calls_file,
                                 runs_file=runs_file)
         rejected += [e for rid, e in status.items() if rid not in known_bad]
         known_bad |= set(status)

@@ -94,7 +94,8 @@ def encode_record(d: CallDelta) -> bytes:
 
 
 def _peek_names(body: bytes) -> tuple[str | None, int | None]:
-    """Best effort (run_id, call) from a possibly torn body."""
+    """Best effort (run_id, call) from a possibly torn body (a corrupt one may name a
+    run wrongly; a torn tail, the usual case, names it right)."""
     if len(body) < FIXED.size:
         return None, None
     fields = FIXED.unpack_from(body)
@@ -158,7 +159,8 @@ def scan(buf: bytes, start: int, *, file: str, final: bool
         if nxt < 0 and not final:
             break  # maybe a record still being written
         end = len(buf) if nxt < 0 else nxt
-        run_id, call = _peek_names(buf[pos + HEAD.size:end])
+        run_id, call = (_peek_names(buf[pos + HEAD.size:end])
+                        if buf[pos:pos + 4] == REC_MAGIC else (None, None))
         torn.append(TornRecord(file, pos, end - pos, why if why != "incomplete"
                                else "torn record (file ends inside it)", run_id, call))
         pos = end
