@@ -64,7 +64,13 @@ def _positive(text: str) -> int:
 
 
 def _add_build(sub) -> None:
-    p = sub.add_parser("build", help="call records -> trajectories (one JSON per line)")
+    p = sub.add_parser(
+        "build", help="call records -> trajectories (one JSON per line)",
+        description="Rebuild each run's calls into a prefix tree and write at most K "
+        "trajectories per run (greedy max-coverage of trainable tokens; each trainable "
+        "token trained once). advantage = the run's reward - the mean reward of the "
+        "status-ok runs of its task_id (0.0 without --runs). Rejected runs go to stderr; "
+        "exit status 1 when a run was rejected for bad or inconsistent records.")
     p.add_argument("calls", metavar="CALLS", help="CALLS.jsonl, or a run dir's call store")
     p.add_argument("--runs", metavar="RUNS", help="run records: RUNS.jsonl or a directory")
     p.add_argument("--max-per-run", type=_positive, default=5, metavar="K",
@@ -82,7 +88,8 @@ def _add_show(sub) -> None:
     p = sub.add_parser("show", help="draw a run's prefix tree")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("run_id", metavar="RUN_ID")
-    p.add_argument("--max-per-run", type=_positive, default=5, metavar="K")
+    p.add_argument("--max-per-run", type=_positive, default=5, metavar="K",
+                   help="trajectories to select and mark (default 5)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--dump", action="store_true",
                       help="plain tree, then each trajectory as aligned token/mask rows")

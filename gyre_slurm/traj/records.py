@@ -204,7 +204,7 @@ def parse_call(obj: Any, *, vocab_size: int | None = None) -> CallRecord:
     _require(isinstance(finish, str), "finish_reason must be a string", run_id, call)
     extra = {k: v for k, v in obj.items() if k not in CALL_KEYS}
     return CallRecord(run_id, call, prompt, output, logprobs, version,
-                      times[0], times[1], finish, extra)
+                      float(times[0]), float(times[1]), finish, extra)
 
 
 def parse_run(obj: Any) -> RunRecord:
