@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from traj_helpers import mk_run
 
 from gyre_slurm.errors import UserError
-from gyre_slurm.traj.delta import encode_run
+from gyre_slurm.traj.encode import encode_run
 from gyre_slurm.traj.pack import pack
 from gyre_slurm.traj.process import group_advantages, process
 from gyre_slurm.traj.records import Loaded, RunRecord

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from traj_helpers import mk_call, oracle_trainable, trained_nodes
 
-from gyre_slurm.traj.delta import decode_run, encode_run
+from gyre_slurm.traj.delta import decode_run
+from gyre_slurm.traj.encode import encode_run
 from gyre_slurm.traj.process import process_run
 from gyre_slurm.traj.store import CallStoreReader, CallStoreWriter, load_store
 
@@ -44,8 +45,8 @@ def runs(draw, max_calls: int = 8):
     return calls
 
 
-def _build(calls, k, num_recent=8):
-    return process_run(encode_run(calls, num_recent=num_recent), max_per_run=k)
+def _build(calls, k):
+    return process_run(encode_run(calls), max_per_run=k)
 
 
 @given(runs(), st.integers(1, 6))
@@ -96,21 +97,39 @@ def test_more_paths_only_add_trained_tokens(calls, k):
     assert fewer <= set(trained_nodes(_build(calls, k + 1).trajectories))
 
 
-@given(runs(), st.integers(1, 4))
-def test_tree_holds_each_distinct_prefix_once(calls, num_recent):
+@given(runs())
+def test_tree_holds_each_distinct_prefix_once(calls):
     prefixes = set()
     for c in calls:
         seq = np.concatenate([c.prompt_ids, c.output_ids]).tolist()
         prefixes |= {tuple(seq[:i + 1]) for i in range(len(seq))}
-    tree = _build(calls, 1, num_recent=num_recent).tree
+    tree = _build(calls, 1).tree
     assert tree.num_tokens == len(prefixes)
     assert tree.num_trainable == len(oracle_trainable(calls))
 
 
-@given(runs(), st.integers(1, 4))
-def test_delta_form_round_trips(calls, num_recent):
-    back = list(decode_run(encode_run(calls, num_recent=num_recent)))
+@given(runs())
+def test_delta_form_round_trips(calls):
+    back = list(decode_run(encode_run(calls)))
     assert [c.to_json() for c in back] == [c.to_json() for c in calls]
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@given(runs())
+def test_stored_prompt_shares_the_longest_prefix_with_an_earlier_call(calls):
+    seqs = [np.concatenate([c.prompt_ids, c.output_ids]).tolist() for c in calls]
+    for d, c in zip(encode_run(calls), calls):
+        prompt = c.prompt_ids.tolist()
+        best = max([_common(prompt, s) for s in seqs[:c.call]], default=0)
+        assert d.shared_len == best and (d.parent_call >= 0) == (best > 0)
+        if d.parent_call >= 0:
+            assert seqs[d.parent_call][:best] == prompt[:best]
 
 
 @settings(max_examples=50, deadline=None)

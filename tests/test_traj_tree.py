@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from traj_helpers import lp_of, mk_run, oracle_trainable
 
-from gyre_slurm.traj.delta import check_run, decode_run, encode_run
+from gyre_slurm.traj.delta import check_run, decode_run
+from gyre_slurm.traj.encode import encode_run
 from gyre_slurm.traj.dump import dump_run, trajectory_rows, tree_lines
 from gyre_slurm.traj.process import process_run
 from gyre_slurm.traj.tree import build_tree
@@ -139,7 +140,7 @@ def test_policy_version_is_the_minimum_over_trained_tokens():
 
 def test_each_call_sequence_is_in_the_tree():
     calls = mk_run([pair for _, pairs, _, _ in CASES[:6] for pair in pairs])
-    tree = build_tree(encode_run(calls, num_recent=2))
+    tree = build_tree(encode_run(calls))
     for rec in calls:
         seq = np.concatenate([rec.prompt_ids, rec.output_ids])
         assert tree.call_sequence(rec.call).tolist() == seq.tolist()

@@ -13,7 +13,8 @@ Measured, pinned to one CPU core:
     run's distinct-token bytes (4 B x distinct tokens);
   * bytes of the run in the call store against the bound 4 B x distinct tokens +
     4 B x generated tokens;
-  * for context: loading the store, and materializing the K trajectories.
+  * for context: appending all calls (parent choice + encoding + write, no fsync),
+    loading the store, and materializing the K trajectories.
 
     bash -c 'source tools/env.sh && python tools/bench_traj.py'
 """
@@ -84,10 +85,13 @@ def _peak_bytes(fn, *args) -> int:
 def store_figures(args, run_dir: str) -> dict:
     """Write the run through the call store; sizes, load time and load+build peak."""
     naive = generated = 0
+    append_s = 0.0
     with CallStoreWriter(run_dir, "bench", fsync_interval_s=None) as writer:
         for rec in synthetic_run(num_calls=args.calls, num_branches=args.branches,
                                  num_tokens=args.tokens):
+            t0 = time.perf_counter()
             writer.append(rec)
+            append_s += time.perf_counter() - t0
             naive += len(rec.prompt_ids) + len(rec.output_ids)
             generated += len(rec.output_ids)
     t0 = time.perf_counter()
@@ -97,6 +101,7 @@ def store_figures(args, run_dir: str) -> dict:
     peak = _peak_bytes(lambda: build_and_select(load_store(run_dir).runs["bench-run"], args.k))
     return {"deltas": loaded.runs["bench-run"], "naive_call_tokens": naive,
             "generated_tokens": generated, "load_store_s": round(load_s, 4),
+            "append_all_calls_s": round(append_s, 4),
             "load_build_select_peak_bytes": peak,
             "store_bytes": sum(p.stat().st_size for p in Path(run_dir, "calls").iterdir())}
 

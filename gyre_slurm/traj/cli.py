@@ -27,7 +27,8 @@ from pathlib import Path
 from rich.console import Console
 
 from gyre_slurm.errors import UserError
-from gyre_slurm.traj.delta import CallDelta, DeltaEncoder, check_run, decode_run
+from gyre_slurm.traj.delta import CallDelta, check_run, decode_run
+from gyre_slurm.traj.encode import DeltaEncoder
 from gyre_slurm.traj.dump import dump_run, rich_tree, tree_lines
 from gyre_slurm.traj.pack import pack, packing_stats
 from gyre_slurm.traj.process import process, process_run

@@ -7,14 +7,12 @@ seq(c) = prompt(c) + output(c), a `CallDelta` says
     prompt(c) = seq(parent_call)[:shared_len] + new_ids      (parent_call = -1: no parent)
 
 so a run costs about its distinct tokens, not calls x context length. The parent must be
-an earlier call of the same run. `DeltaEncoder` picks it cheaply: the previous call
-first (taken at once when its whole sequence is a prefix of the prompt), otherwise the
-one of the run's `num_recent` latest calls sharing the longest prefix (ties: the latest).
+an earlier call of the same run; `encode.DeltaEncoder` chooses it.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,62 +62,6 @@ def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
             return start + int(diff[0])
         start, chunk = stop, chunk * 4
     return n
-
-
-def shared_len_with(prompt: np.ndarray, parts: Sequence[np.ndarray]) -> int:
-    """Common prefix length of `prompt` and the concatenation of `parts`."""
-    n = 0
-    for part in parts:
-        m = common_prefix_len(prompt[n:], part)
-        n += m
-        if m < len(part):
-            break
-    return n
-
-
-class DeltaEncoder:
-    """Turns a stream of `CallRecord`s into `CallDelta`s. Keeps, per run, references to
-    the full (prompt, output) arrays of its `num_recent` latest calls (no copies)."""
-
-    def __init__(self, *, num_recent: int = 8):
-        if num_recent < 1:
-            raise ValueError("num_recent must be >= 1")
-        self.num_recent = num_recent
-        self._recent: dict[str, deque[tuple[int, np.ndarray, np.ndarray]]] = {}
-
-    def forget(self, run_id: str) -> None:
-        """Drop a finished run's state; its later calls (if any) get no parent."""
-        self._recent.pop(run_id, None)
-
-    def forget_last(self, run_id: str) -> None:
-        """Take back the latest `encode` of a run (its record was not stored)."""
-        recent = self._recent.get(run_id)
-        if recent:
-            recent.pop()
-
-    def _best_parent(self, run_id: str, prompt: np.ndarray) -> tuple[int, int]:
-        best_call, best_len = -1, 0
-        for i, (call, p_prompt, p_output) in enumerate(reversed(self._recent.get(run_id, ()))):
-            shared = shared_len_with(prompt, (p_prompt, p_output))
-            if shared > best_len:
-                best_call, best_len = call, shared
-            if i == 0 and shared == len(p_prompt) + len(p_output):
-                break
-        return best_call, best_len
-
-    def encode(self, rec: CallRecord) -> CallDelta:
-        parent, shared = self._best_parent(rec.run_id, rec.prompt_ids)
-        recent = self._recent.setdefault(rec.run_id, deque(maxlen=self.num_recent))
-        recent.append((rec.call, rec.prompt_ids, rec.output_ids))
-        new_ids = rec.prompt_ids[shared:].copy()  # a copy: the full prompt can be freed
-        return CallDelta(rec.run_id, rec.call, parent, shared, new_ids,
-                         rec.output_ids, rec.output_logprobs, rec.policy_version,
-                         rec.t_start, rec.t_end, rec.finish_reason, rec.extra)
-
-
-def encode_run(calls: Iterable[CallRecord], *, num_recent: int = 8) -> list[CallDelta]:
-    encoder = DeltaEncoder(num_recent=num_recent)
-    return [encoder.encode(rec) for rec in calls]
 
 
 def check_run(deltas: Sequence[CallDelta]) -> tuple[int, str] | None:

@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gyre_slurm.traj.delta import CallDelta, check_run, encode_run
+from gyre_slurm.traj.delta import CallDelta, check_run
+from gyre_slurm.traj.encode import encode_run
 from gyre_slurm.traj.pack import DedupStats, dedup_stats
 from gyre_slurm.traj.records import CallRecord, Loaded, RecordError, RunRecord
 from gyre_slurm.traj.select import Selection, Trajectory, materialize, select_paths

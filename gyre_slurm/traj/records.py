@@ -303,7 +303,7 @@ def collect_calls(lines: Iterable[str], *, file: str, vocab_size: int | None = N
                   transform: Callable[[CallRecord], Any] | None = None) -> Loaded[Any]:
     """Parse JSONL call records; bad ones become errors that leave their run out. Each
     good record is kept as `transform(record)` (default: the record itself), applied in
-    file order, so a caller can keep a compact form (e.g. `delta.DeltaEncoder.encode`)."""
+    file order, so a caller can keep a compact form (e.g. `encode.DeltaEncoder.encode`)."""
     collector: RunCollector[Any] = RunCollector()
     for num, obj in iter_json_lines(lines):
         where = f"line {num}"

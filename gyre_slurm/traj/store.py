@@ -39,7 +39,8 @@ from typing import Any
 import numpy as np
 
 from gyre_slurm.errors import UserError
-from gyre_slurm.traj.delta import CallDelta, DeltaEncoder
+from gyre_slurm.traj.delta import CallDelta
+from gyre_slurm.traj.encode import DeltaEncoder
 from gyre_slurm.traj.records import (
     BadRecord, CallRecord, Loaded, RecordError, RunCollector, check_ids, parse_call,
 )
@@ -179,13 +180,12 @@ class CallStoreWriter:
     `flush`/`close`). Data is visible to readers as soon as `append` returns."""
 
     def __init__(self, run_dir: str | os.PathLike, writer_id: str, *,
-                 fsync_interval_s: float | None = 1.0, num_recent: int = 8,
-                 vocab_size: int | None = None):
+                 fsync_interval_s: float | None = 1.0, vocab_size: int | None = None):
         self.path = segment_path(run_dir, writer_id)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.fsync_interval_s = fsync_interval_s
         self.vocab_size = vocab_size
-        self._encoder = DeltaEncoder(num_recent=num_recent)
+        self._encoder = DeltaEncoder()
         self._recover()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         self._last_sync = time.monotonic()
@@ -214,7 +214,7 @@ class CallStoreWriter:
         """Store one call (a `CallRecord` or a DESIGN §4 dict); returns its stored form."""
         if not isinstance(record, CallRecord):
             record = parse_call(record, vocab_size=self.vocab_size)
-        delta = self._encoder.encode(record)
+        delta = self._encoder.encode(record, remember=False)
         try:  # the shared prefix was checked with its parent
             check_ids(delta.new_ids, name="prompt_ids", vocab_size=self.vocab_size)
             check_ids(delta.output_ids, name="output_ids", vocab_size=self.vocab_size)
@@ -222,20 +222,20 @@ class CallStoreWriter:
                 raise ValueError(f"{len(delta.output_ids)} output_ids but "
                                  f"{len(delta.output_logprobs)} output_logprobs")
         except ValueError as exc:
-            self._encoder.forget_last(record.run_id)
             raise BadRecord(str(exc), run_id=record.run_id, call=record.call) from None
         data = memoryview(encode_record(delta))
         done = 0
         while done < len(data):  # a short write is finished, never left torn
             done += os.write(self._fd, data[done:])
         self.num_bytes += done
+        self._encoder.remember(delta)
         interval = self.fsync_interval_s
         if interval is not None and time.monotonic() - self._last_sync >= interval:
             self.flush()
         return delta
 
     def forget(self, run_id: str) -> None:
-        """A run is over: drop the sequences kept to choose its parents."""
+        """A run is over: drop the tree kept to choose its calls' parents."""
         self._encoder.forget(run_id)
 
     def flush(self) -> None:

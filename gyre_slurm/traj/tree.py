@@ -108,7 +108,10 @@ class PrefixTree:
         return True
 
 
-class _Builder:
+class TreeBuilder:
+    """Grows a run's tree one call at a time (`add`); `finish` freezes it. `match` finds
+    how much of a prompt is already in the tree, and which call holds that prefix."""
+
     def __init__(self, run_id: str):
         self.run_id = run_id
         self.tok: list[np.ndarray] = [EMPTY_IDS]
@@ -118,6 +121,7 @@ class _Builder:
         self.par: list[int] = [-1]
         self.dep: list[int] = [0]
         self.kids: list[dict[int, int]] = [{}]
+        self.through: list[int] = [-1]  # per edge: the latest call covering all of it
         self.call_ends: dict[int, tuple[int, int]] = {}
         self.notes: list[str] = []
 
@@ -131,6 +135,7 @@ class _Builder:
         self.par.append(parent)
         self.dep.append(depth)
         self.kids.append({})
+        self.through.append(-1)
         return e
 
     def new_leaf(self, parent: int, tok: np.ndarray, lp: np.ndarray | None,
@@ -147,6 +152,7 @@ class _Builder:
                          self.ver[e], self.gen[e], self.dep[e])
         self.kids[h][int(tok[k])] = e
         self.kids[p][int(tok[0])] = h
+        self.through[h] = self.through[e]
         self.tok[e], self.lp[e] = tok[k:], None if lp is None else lp[k:]
         self.dep[e] += k
         self.par[e] = h
@@ -212,6 +218,28 @@ class _Builder:
         e, o = self.insert(e, o, d.new_ids, None, -1, -1)
         e, o = self.insert(e, o, d.output_ids, d.output_logprobs, d.policy_version, d.call)
         self.call_ends[d.call] = (e, d.seq_len)
+        x = e if o == len(self.tok[e]) else self.par[e]
+        while x > 0:
+            self.through[x] = d.call
+            x = self.par[x]
+
+    def match(self, seq: np.ndarray) -> tuple[int, int]:
+        """(length of the longest prefix of `seq` in the tree, the latest call whose
+        sequence holds that prefix, or -1 when the length is 0)."""
+        e, o, i, n = 0, 0, 0, len(seq)
+        while i < n:
+            tok = self.tok[e]
+            if o == len(tok):
+                child = self.kids[e].get(int(seq[i]))
+                if child is None:
+                    break
+                e, o = child, 0
+                continue
+            m = common_prefix_len(seq[i:], tok[o:])
+            i, o = i + m, o + m
+            if o < len(tok):
+                break
+        return i, (self.through[e] if i > 0 else -1)
 
     def finish(self) -> PrefixTree:
         kids = tuple(tuple(k for _, k in sorted(c.items())) for c in self.kids)
@@ -227,7 +255,7 @@ def build_tree(deltas: Sequence[CallDelta]) -> PrefixTree:
     """The prefix tree of one run's calls (in call order; see `delta.check_run`)."""
     if not deltas:
         raise ValueError("a run with no calls has no tree")
-    builder = _Builder(deltas[0].run_id)
+    builder = TreeBuilder(deltas[0].run_id)
     for d in deltas:
         builder.add(d)
     return builder.finish()
