@@ -236,3 +236,13 @@ def test_run_buffer_rejects_a_run_with_a_torn_record(tmp_path):
     assert buffer.poll(final=True) == []  # the torn record names its run
     taken = buffer.take("a")
     assert taken.runs == {} and taken.errors[0].call == 1
+
+
+def test_torn_last_jsonl_line_leaves_its_run_out():
+    calls = [json.dumps(c.to_json()) for c in _grow(2, run_id="q17-r3")]
+    other = json.dumps(mk_call(0, S, [2001], run_id="other").to_json())
+    loaded = collect_calls([calls[0], other, calls[1][:40]], file="calls.jsonl")
+    assert list(loaded.runs) == ["other"]
+    (err,) = loaded.errors
+    assert (err.run_id, err.call, err.where) == ("q17-r3", 1, "line 3")
+    assert err.reason.startswith("not JSON")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -229,15 +230,36 @@ def parse_run(obj: Any) -> RunRecord:
     return RunRecord(run_id, str(task_id), float(reward), status, str(reason or ""), extra)
 
 
+_RUN_ID = re.compile(r'"run_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_CALL = re.compile(r'"call"\s*:\s*(\d+)')
+
+
+def _peek(line: str) -> tuple[str | None, int | None]:
+    """Best effort (run_id, call) of a line that is not valid JSON (e.g. torn)."""
+    run = _RUN_ID.search(line)
+    call = _CALL.search(line)
+    run_id = None
+    if run:
+        try:
+            run_id = json.loads(f'"{run.group(1)}"')
+        except json.JSONDecodeError:
+            run_id = None
+    return run_id, int(call.group(1)) if call else None
+
+
 def iter_json_lines(lines: Iterable[str]) -> Iterator[tuple[int, Any]]:
-    """(line number, decoded object or BadRecord) for each non-blank line."""
+    """(line number, decoded object or BadRecord) for each non-blank line. A line that is
+    not JSON (a torn last line, say) still names its run and call when they can be read,
+    so that the run is left out rather than trained without that call."""
     for num, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             yield num, json.loads(line)
         except json.JSONDecodeError as exc:
-            yield num, BadRecord(f"not JSON: {exc.msg} at column {exc.colno}")
+            run_id, call = _peek(line)
+            yield num, BadRecord(f"not JSON: {exc.msg} at column {exc.colno}",
+                                 run_id=run_id, call=call)
 
 
 T = TypeVar("T")
