@@ -214,17 +214,20 @@ def run_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_export(args: argparse.Namespace) -> int:
-    loaded = load_store(args.run_dir)
-    lines = []
+def _export_lines(loaded: Loaded[CallDelta], run_dir: str) -> Iterator[str]:
+    """JSONL call records, one run at a time; inconsistent runs go to loaded.errors."""
     for rid, deltas in loaded.runs.items():
         problem = check_run(deltas)
         if problem is not None:
-            loaded.errors.append(RecordError(args.run_dir, "", rid, problem[0], problem[1]))
+            loaded.errors.append(RecordError(run_dir, "", rid, problem[0], problem[1]))
             continue
-        lines += [json.dumps(rec.to_json(), separators=(",", ":")) + "\n"
-                  for rec in decode_run(deltas)]
-    atomic_write_lines(args.output, lines)
+        for rec in decode_run(deltas):
+            yield json.dumps(rec.to_json(), separators=(",", ":")) + "\n"
+
+
+def run_export(args: argparse.Namespace) -> int:
+    loaded = load_store(args.run_dir)
+    atomic_write_lines(args.output, _export_lines(loaded, args.run_dir))
     _report(loaded.errors, "export")
     return 1 if loaded.errors else 0
 
