@@ -18,6 +18,9 @@ Building works from `CallDelta`s: a call's prompt starts at depth `shared_len` o
 parent call's path, so a run costs O(its distinct tokens + edges walked), not calls x
 context length. Splitting an edge gives the new id to the head piece; the tail keeps its
 id, so (edge, depth) references to a call's end stay valid by walking up parent links.
+The builder also keeps, per edge, the latest call whose sequence covers all of it, so
+`TreeBuilder.match` can tell the writer which earlier call shares the longest prefix
+with a new prompt (see `encode`).
 """
 
 from __future__ import annotations
