@@ -31,10 +31,6 @@ def mk_run(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *, run_id: str 
             for i, (p, o) in enumerate(pairs)]
 
 
-def call_json(rec: CallRecord) -> dict:
-    return rec.to_json()
-
-
 def oracle_trainable(calls: Sequence[CallRecord]) -> dict[tuple[int, ...], tuple[float, int]]:
     """Brute force: every node (as its full token prefix) some call generated, with the
     first generating call's (logprob, version)."""
