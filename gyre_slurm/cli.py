@@ -14,6 +14,7 @@ from gyre_slurm.errors import UserError
 SUBCOMMAND_MODULES = (
     "gyre_slurm.config.cli",
     "gyre_slurm.sim.cli",
+    "gyre_slurm.traj.cli",
 )
 
 
