@@ -1,0 +1,82 @@
+"""`gyre sim` as a user runs it: JSON shape, plot, sweep, workload files, bad input."""
+
+import json
+
+import pytest
+
+from gyre_slurm.config.presets import preset_path
+from gyre_slurm.config.schema import load_config
+from gyre_slurm.sim.runner import compare
+from gyre_slurm.sim.workload import sample_workload
+
+ROOT_CONFIGS = __import__("pathlib").Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_json_has_the_documented_shape(gyre):
+    out = json.loads(gyre("sim", "--preset", "small", "--json").stdout)
+    assert out["preset"] == "small"
+    assert out["lower_bound_s"] > 0
+    for name in ("elastic", "colocate", "async", "async-even", "elastic-nostream",
+                 "elastic-nofloor", "elastic-naive", "async-stream"):
+        entry = out["policies"][name]
+        assert entry["makespan_s"] >= out["lower_bound_s"] - 1e-6
+        assert 0 < entry["busy_fraction"] <= 1
+        assert isinstance(entry["handoffs"], int)
+    assert any(k.startswith("async-split-") for k in out["policies"])
+    best = min(v["makespan_s"] for k, v in out["policies"].items() if k.startswith("async-split-"))
+    assert out["policies"]["async"]["makespan_s"] == best
+    assert out["policies"]["colocate"]["max_staleness"] == 0
+
+
+def test_elastic_beats_both_baselines_on_the_small_preset():
+    out = compare(load_config(preset_path("small")), ablations=False)
+    r = {k: v.makespan_s for k, v in out["results"].items()}
+    assert r["elastic"] < r["colocate"]
+    assert r["elastic"] < r["async"]
+
+
+def test_plot_writes_a_png(gyre, tmp_path):
+    png = tmp_path / "t.png"
+    gyre("sim", "--preset", "small", "--no-ablations", "--plot", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.stat().st_size > 10_000
+
+
+def test_sweep_runs_each_value(gyre):
+    out = json.loads(gyre("sim", "--preset", "small", "--no-ablations", "--json",
+                          "--sweep", "cell_nodes=1,2").stdout)
+    assert out["sweep"] == "cluster.cell_nodes"
+    assert [p["value"] for p in out["points"]] == [1, 2]
+    seeds = json.loads(gyre("sim", "--preset", "small", "--no-ablations", "--json",
+                            "--sweep", "seed=1,2").stdout)
+    assert seeds["sweep"] == "sim.seed"
+    a, b = (p["policies"]["elastic"]["makespan_s"] for p in seeds["points"])
+    assert a != b  # another seed, another workload
+    unknown = gyre("sim", "--preset", "small", "--sweep", "nosuchkey=1,2", check=False)
+    assert unknown.returncode == 2 and "in no section" in unknown.stderr
+
+
+def test_workload_file_with_a_trace(gyre):
+    path = ROOT_CONFIGS / "workload-example.yaml"
+    cfg = load_config(path)
+    w = sample_workload(cfg, base_dir=path.parent)
+    trace = [float(x) for x in (ROOT_CONFIGS / "workload-example-durations.txt").read_text().split()]
+    assert set(w.work_s) <= {min(x, cfg.workload.duration.max_s) for x in trace}
+    out = json.loads(gyre("sim", "--workload", str(path), "--json", "--no-ablations").stdout)
+    assert out["preset"] == "workload-example"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--preset", "nope"], "unknown preset 'nope'"),
+    (["--workload", "missing.yaml"], "cannot read config file"),
+    (["--preset", "small", "--set", "workload.num_step=3"], "Did you mean 'workload.num_steps'"),
+    (["--preset", "small", "--set", "workload.duration.dist=trace"], "trace_file is not set"),
+    (["--preset", "small", "--set", "workload.duration.dist=trace",
+      "--set", "workload.duration.trace_file=none.txt"], "none.txt"),
+    (["--preset", "small", "--sweep", "cell_nodes"], "expected KEY=V1,V2"),
+])
+def test_bad_input_is_a_clear_error(gyre, args, message):
+    proc = gyre("sim", *args, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
