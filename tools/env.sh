@@ -22,7 +22,10 @@ PY
 }
 
 _gyre_reqs="$(_gyre_requirements)"
-_gyre_key="$( { "$GYRE_PYTHON" -c 'import sys; print(sys.version)'; echo "$_gyre_reqs"; } | sha256sum | cut -c1-16)"
+# Pins for this machine kind (the CPU build of torch that pip finds locally): part of the key.
+_gyre_constraints="$GYRE_ROOT/tools/constraints-cpu.txt"
+_gyre_key="$( { "$GYRE_PYTHON" -c 'import sys; print(sys.version)'; echo "$_gyre_reqs";
+               cat "$_gyre_constraints"; } | sha256sum | cut -c1-16)"
 GYRE_VENV="$GYRE_CACHE_DIR/venv-core-$_gyre_key"
 
 _gyre_build() {
@@ -31,7 +34,7 @@ _gyre_build() {
   "$GYRE_PYTHON" -m venv "$GYRE_VENV"
   echo "$_gyre_reqs" > "$GYRE_VENV/requirements.txt"
   "$GYRE_VENV/bin/python" -m pip install -q --disable-pip-version-check \
-    -r "$GYRE_VENV/requirements.txt" >&2
+    -c "$_gyre_constraints" -r "$GYRE_VENV/requirements.txt" >&2
   touch "$GYRE_VENV/.complete"
 }
 mkdir -p "$GYRE_CACHE_DIR"

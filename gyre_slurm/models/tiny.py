@@ -1,0 +1,115 @@
+"""A tiny causal LM and its tokenizer, made locally (nothing is downloaded).
+
+`make_model_dir(path)` writes a Hugging Face model directory: `config.json` (a small
+Llama), the tokenizer (byte-level BPE trained here on a fixed corpus, with a chat
+template) and nothing else; weights live per policy version under
+`RUN_DIR/weights/vNNNNNN/model.safetensors` (`save_weights`, `load_weights`). The same
+directory serves the embedded rollout engine and the trainer, so both see one model.
+torch and transformers are imported inside the functions: importing this module is free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEIGHTS_FILE = "model.safetensors"
+
+
+def _corpus() -> list[str]:
+    words = ("the quick brown fox jumps over the lazy dog agent tool call result file test "
+             "pass fail error run build repo answer yes no red green blue left right up down")
+    digits = " ".join(str(i) for i in range(100))
+    return [words, digits] * 40 + [f"step {i}: {words.split()[i % 20]}" for i in range(200)]
+
+
+def make_model_dir(path: str | Path, *, vocab_size: int = 512, hidden_size: int = 64,
+                   num_layers: int = 2, num_heads: int = 4, max_positions: int = 4096) -> Path:
+    """Write config + tokenizer to `path` (atomically: temp dir, then rename)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>",
+                                   eos_token="<|eos|>", pad_token="<|pad|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(tmp)
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=hidden_size,
+                         intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
+                         num_attention_heads=num_heads, num_key_value_heads=num_heads,
+                         max_position_embeddings=max_positions, tie_word_embeddings=False,
+                         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+                         pad_token_id=fast.pad_token_id, torch_dtype="float32")
+    config.save_pretrained(tmp)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path
+
+
+def load_tokenizer(model_dir: str | Path):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a chat prompt, ending with the assistant header."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = out["input_ids"] if hasattr(out, "keys") else out
+    return [int(i) for i in ids]
+
+
+def new_model(model_dir: str | Path, *, seed: int = 0):
+    """A freshly initialised model from the directory's config (deterministic for a seed)."""
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    return model.float()
+
+
+def save_weights(model, out_dir: str | Path) -> Path:
+    """Write `out_dir/model.safetensors` atomically (temp dir, then rename)."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(tmp / WEIGHTS_FILE))
+    (tmp / "meta.json").write_text(json.dumps({"num_tensors": len(state)}))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def load_weights(model, weights_dir: str | Path) -> None:
+    from safetensors.torch import load_file
+
+    state = load_file(str(Path(weights_dir) / WEIGHTS_FILE))
+    missing, unexpected = model.load_state_dict(state, strict=True), None
+    del missing, unexpected
+
+
+def weights_dir(run_dir: str | Path, version: int) -> Path:
+    return Path(run_dir) / "weights" / f"v{version:06d}"
