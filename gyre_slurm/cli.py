@@ -15,6 +15,7 @@ SUBCOMMAND_MODULES = (
     "gyre_slurm.config.cli",
     "gyre_slurm.sim.cli",
     "gyre_slurm.traj.cli",
+    "gyre_slurm.runtime.cli",
 )
 
 

@@ -35,7 +35,7 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         _positive("num_nodes", self.num_nodes)
-        _positive("gpus_per_node", self.gpus_per_node)
+        _positive("gpus_per_node", self.gpus_per_node, allow_zero=True)  # 0: CPU only
         _positive("cell_nodes", self.cell_nodes)
         if self.num_nodes % self.cell_nodes:
             raise ValueError(
@@ -182,6 +182,41 @@ class SimConfig:
 
 
 @dataclass(frozen=True)
+class RuntimeConfig:
+    """The real runtime (`gyre run`): launcher, engines, agents, trainer settings."""
+
+    launcher: Literal["local"] = "local"
+    node_addr_prefix: str = "127.0.10."  # virtual node i binds PREFIX(i+1)
+    env: str = "learnable"  # an environment name (gyre_slurm.envs)
+    env_params: dict[str, float] = field(default_factory=dict)
+    max_turns: int = 2
+    context_budget_tokens: int = 1024
+    max_tokens: int = 16
+    temperature: float = 1.0
+    runs_per_cell: int = 16  # concurrent runs one rollout cell serves
+    max_per_run: int = 5  # K: trajectories kept per run
+    lr: float = 1e-3
+    clip_eps: float = 0.2
+    model_hidden_size: int = 64
+    model_layers: int = 2
+    heartbeat_s: float = 0.5
+    agent_lost_s: float = 5.0  # a node agent silent this long is lost
+    status_interval_s: float = 1.0
+    policy_interval_s: float = 1.0
+    checkpoint_every_steps: int = 1
+    run_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "context_budget_tokens", "max_tokens", "runs_per_cell",
+                     "max_per_run", "lr", "heartbeat_s", "agent_lost_s", "status_interval_s",
+                     "policy_interval_s", "checkpoint_every_steps", "run_timeout_s"):
+            _positive(name, getattr(self, name))
+        if not self.node_addr_prefix.startswith("127."):
+            raise ValueError(f"node_addr_prefix must be a loopback prefix (127.x.y.), "
+                             f"got {self.node_addr_prefix!r}")
+
+
+@dataclass(frozen=True)
 class GyreConfig:
     name: str = "unnamed"
     description: str = ""
@@ -192,6 +227,7 @@ class GyreConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
     sim: SimConfig = field(default_factory=SimConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def __post_init__(self) -> None:
         num_cells = self.cluster.num_cells

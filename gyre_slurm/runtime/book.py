@@ -1,0 +1,166 @@
+"""The coordinator's ledger of steps, runs and trajectories (pure: no I/O, no clock).
+
+Step k trains the runs of batch k: `prompts_per_step` tasks x `group_size` runs each.
+Batch k may start once the policy has trained at least k - staleness steps. A run ends
+`ok` (its calls become trajectories) or `failed`/`timeout` (never trained, says why).
+A group's trajectories become trainable when every run of the group has ended: the
+advantage of a run is its reward minus the mean reward of the group's ok runs
+(group-relative). Streaming: ready trajectories are handed out in arrival order, in
+micro-batches by a token budget. Step k is complete when every run of batch k has ended
+and every trajectory handed out has been trained; then the optimizer steps.
+
+A run interrupted by a coordinator stop (resume) restarts as a new attempt: its run id
+gets `-a<N>`; the interrupted attempt's partial calls stay in the store, never trained.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RunEntry:
+    run_id: str
+    step: int
+    prompt: int
+    member: int
+    attempt: int = 0
+    state: str = "pending"  # pending | running | ok | failed | timeout
+    reward: float = 0.0
+    trajectories: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class StepState:
+    runs: list[str]
+    ready: deque = field(default_factory=deque)  # trajectories (dicts) not yet handed out
+    handed_out: int = 0
+    trained: int = 0
+    trained_tokens: int = 0
+    trained_runs: list[str] = field(default_factory=list)
+
+
+def run_id_of(step: int, prompt: int, member: int, attempt: int = 0) -> str:
+    rid = f"s{step:04d}-p{prompt:03d}-g{member:02d}"
+    return rid if attempt == 0 else f"{rid}-a{attempt}"
+
+
+class StepBook:
+    def __init__(self, *, num_steps: int, prompts_per_step: int, group_size: int, staleness: int):
+        self.num_steps, self.staleness = num_steps, staleness
+        self.prompts, self.group_size = prompts_per_step, group_size
+        self.runs: dict[str, RunEntry] = {}
+        self.steps: list[StepState] = []
+        for s in range(num_steps):
+            ids = []
+            for p in range(prompts_per_step):
+                for g in range(group_size):
+                    rid = run_id_of(s, p, g)
+                    self.runs[rid] = RunEntry(rid, s, p, g)
+                    ids.append(rid)
+            self.steps.append(StepState(ids))
+        self.version = 0
+
+    # -- rollout side ----------------------------------------------------------------
+    def allowed_steps(self) -> range:
+        return range(0, min(self.num_steps, self.version + self.staleness + 1))
+
+    def pending(self) -> list[RunEntry]:
+        return [self.runs[r] for s in self.allowed_steps() for r in self.steps[s].runs
+                if self.runs[r].state == "pending"]
+
+    def count(self, state: str) -> int:
+        return sum(1 for r in self.runs.values() if r.state == state)
+
+    def future(self) -> int:
+        allowed = len(self.allowed_steps())
+        return sum(len(s.runs) for s in self.steps[allowed:])
+
+    def start(self, run_id: str) -> None:
+        assert self.runs[run_id].state == "pending", self.runs[run_id]
+        self.runs[run_id].state = "running"
+
+    def restart(self, run_id: str) -> str:
+        """An interrupted run gets a fresh attempt under a new id."""
+        old = self.runs.pop(run_id)
+        new = RunEntry(run_id_of(old.step, old.prompt, old.member, old.attempt + 1),
+                       old.step, old.prompt, old.member, attempt=old.attempt + 1)
+        self.runs[new.run_id] = new
+        runs = self.steps[old.step].runs
+        runs[runs.index(run_id)] = new.run_id
+        return new.run_id
+
+    def finish(self, run_id: str, *, status: str, reward: float,
+               trajectories: list[dict]) -> list[dict]:
+        """Record a run's end; returns the trajectories that became trainable."""
+        entry = self.runs[run_id]
+        assert entry.state in ("running", "pending"), entry
+        entry.state, entry.reward = status, reward
+        entry.trajectories = trajectories if status == "ok" else []
+        group = [self.runs[r] for r in self.steps[entry.step].runs
+                 if self.runs[r].prompt == entry.prompt]
+        if any(r.state in ("pending", "running") for r in group):
+            return []
+        ok = [r for r in group if r.state == "ok"]
+        if not ok:
+            return []
+        mean = sum(r.reward for r in ok) / len(ok)
+        ready = []
+        for r in ok:
+            for traj in r.trajectories:
+                ready.append(dict(traj, advantage=r.reward - mean))
+        self.steps[entry.step].ready.extend(ready)
+        return ready
+
+    # -- training side ---------------------------------------------------------------
+    def next_microbatch(self, *, max_tokens: int) -> list[dict]:
+        """Ready trajectories of the step being trained, in arrival order, up to a budget
+        (at least one)."""
+        if self.version >= self.num_steps:
+            return []
+        state = self.steps[self.version]
+        out, used = [], 0
+        while state.ready:
+            size = len(state.ready[0]["token_ids"])
+            if out and used + size > max_tokens:
+                break
+            out.append(state.ready.popleft())
+            used += size
+        state.handed_out += len(out)
+        return out
+
+    def trained(self, batch: list[dict]) -> None:
+        state = self.steps[self.version]
+        state.trained += len(batch)
+        state.trained_tokens += sum(sum(t["loss_mask"]) for t in batch)
+        state.trained_runs.extend(t["run_id"] for t in batch)
+
+    def step_complete(self) -> bool:
+        if self.version >= self.num_steps:
+            return False
+        state = self.steps[self.version]
+        ended = all(self.runs[r].state not in ("pending", "running") for r in state.runs)
+        return ended and not state.ready and state.trained == state.handed_out
+
+    def step_done(self) -> int:
+        """The optimizer stepped: the policy version advances. Returns the new version."""
+        self.version += 1
+        return self.version
+
+    def done(self) -> bool:
+        return self.version >= self.num_steps
+
+    def ready_tokens(self) -> int:
+        if self.version >= self.num_steps:
+            return 0
+        return sum(len(t["token_ids"]) for t in self.steps[self.version].ready)
+
+    def waiting_tokens(self) -> int:
+        return sum(len(t["token_ids"]) for s in self.steps[self.version + 1:] for t in s.ready)
+
+    def step_runs_left(self) -> int:
+        if self.version >= self.num_steps:
+            return 0
+        return sum(1 for r in self.steps[self.version].runs
+                   if self.runs[r].state in ("pending", "running"))

@@ -1,0 +1,335 @@
+"""The coordinator: one long-lived process that owns the cell table and runs the job.
+
+    gyre run CONFIG --run-dir DIR [--resume]
+
+It starts the node agents (launcher), hosts the control endpoints, the gateway and the
+TCPStore of the training worlds, lays the cells out as the policy asks, and then runs
+three loops until every step is trained: the policy loop (observations in, decisions
+out, handoffs executed: `gyre_slurm.runtime.handoff`), the rollout loop (runs started
+within the batch, staleness and capacity budget: `rollouts`), and the training loop
+(streaming micro-batches, one optimizer step per batch, new weights published and
+loaded by every rollout server, a checkpoint after each step). `status.json` is
+rewritten about once a second; everything that happens lands in `events.jsonl`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+from aiohttp import web
+
+from gyre_slurm.config.schema import GyreConfig
+from gyre_slurm.models import tiny
+from gyre_slurm.runtime.book import StepBook
+from gyre_slurm.runtime.control import ControlClient, make_app
+from gyre_slurm.runtime.launcher import LocalLauncher
+from gyre_slurm.runtime.rollouts import RolloutManager
+from gyre_slurm.runtime.rundir import RunDir
+from gyre_slurm.runtime.world import TrainWorld
+from gyre_slurm.sched.cells import Cell, CellTable, Role
+from gyre_slurm.sched.types import CellObs, Observation
+
+log = logging.getLogger(__name__)
+
+
+class AgentLost(RuntimeError):
+    """A node agent stopped answering."""
+
+
+class Coordinator:
+    def __init__(self, cfg: GyreConfig, run_dir: Path, *, resume: bool = False):
+        from gyre_slurm.sim.runner import named_policy
+
+        self.cfg, self.rd, self.resume = cfg, RunDir(run_dir), resume
+        self.policy = named_policy(cfg, cfg.scheduler.policy) if cfg.scheduler.policy != "async" \
+            else _async_policy(cfg)
+        stale = cfg.training.max_staleness
+        if self.policy.max_staleness is not None:
+            stale = min(stale, self.policy.max_staleness)
+        w = cfg.workload
+        self.book = StepBook(num_steps=w.num_steps, prompts_per_step=w.prompts_per_step,
+                             group_size=w.group_size, staleness=stale)
+        self.addr0 = f"{cfg.runtime.node_addr_prefix}1"
+        self.agents: dict[int, ControlClient] = {}
+        self.heartbeats: dict[int, float] = {}
+        self.registered = asyncio.Event()
+        self.engines: dict[int, str] = {}  # cell -> engine base url
+        self.table: CellTable | None = None
+        self.world: TrainWorld | None = None
+        self.gateway = None
+        self.rollouts: RolloutManager | None = None
+        self.busy_cells: set[int] = set()  # cells with a handoff under way
+        self.train_rate: list[float] = []  # measured tokens/s per cell
+        self.rewards: list[dict] = []
+        self.failure: BaseException | None = None
+        self.t0 = time.time()
+
+    # -- setup -----------------------------------------------------------------------
+    def prepare_run_dir(self) -> int:
+        """Create the run dir (or check it for --resume); returns the starting version."""
+        from gyre_slurm.runtime import checkpoint
+
+        if self.resume:
+            return checkpoint.load_for_resume(self)
+        self.rd.create(self.cfg)
+        rt = self.cfg.runtime
+        tiny.make_model_dir(self.rd.model_dir, hidden_size=rt.model_hidden_size,
+                            num_layers=rt.model_layers)
+        tiny.save_weights(tiny.new_model(self.rd.model_dir, seed=self.cfg.sim.seed),
+                          tiny.weights_dir(self.rd.path, 0))
+        return 0
+
+    async def start_services(self) -> None:
+        from gyre_slurm.gateway import Gateway
+        from gyre_slurm.traj.store import CallStoreWriter
+        from gyre_slurm.train.dist import host_store
+
+        secret = self.rd.secret()
+        self.store, store_port = host_store(self.addr0)
+        app = make_app(secret)
+        app.router.add_post("/agent/register", self.on_register)
+        app.router.add_post("/agent/heartbeat", self.on_heartbeat)
+        self.control_runner = web.AppRunner(app, access_log=None)
+        await self.control_runner.setup()
+        site = web.TCPSite(self.control_runner, self.addr0, 0)
+        await site.start()
+        self.control_url = f"http://{self.addr0}:{site._server.sockets[0].getsockname()[1]}"
+        self.call_writer = CallStoreWriter(self.rd.path, f"gateway-{int(time.time())}")
+        self.gateway = Gateway(model_dir=self.rd.model_dir, call_writer=self.call_writer,
+                               api_key=secret, default_max_tokens=self.cfg.runtime.max_tokens)
+        gw_port = await self.gateway.start(self.addr0, 0)
+        self.gateway_url = f"http://{self.addr0}:{gw_port}"
+        self.world = TrainWorld(run_dir=self.rd.path, store_host=self.addr0, store_port=store_port,
+                                agents=self.agents, init_weights=tiny.weights_dir(self.rd.path, 0),
+                                checkpoint=self.resume_state)
+        self.rollouts = RolloutManager(cfg=self.cfg, rd=self.rd, book=self.book,
+                                       gateway=self.gateway, gateway_url=self.gateway_url,
+                                       api_key=secret, on_ready=self.on_ready)
+
+    async def on_register(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        node = int(body["node"])
+        self.agents[node] = ControlClient(body["url"], self.rd.secret())
+        self.heartbeats[node] = time.monotonic()
+        self.rd.event("agent_registered", node=node, url=body["url"], pid=body.get("pid"))
+        if len(self.agents) == self.cfg.cluster.num_nodes:
+            self.registered.set()
+        return web.json_response({})
+
+    async def on_heartbeat(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.heartbeats[int(body["node"])] = time.monotonic()
+        return web.json_response({})
+
+    def nodes_of(self, cell: int) -> list[int]:
+        n = self.cfg.cluster.cell_nodes
+        return list(range(cell * n, (cell + 1) * n))
+
+    async def lay_out(self) -> None:
+        layout = self.policy.initial_layout(self.cfg.cluster.num_cells)
+        names = [f"node{i + 1}" for i in range(self.cfg.cluster.num_nodes)]
+        self.table = CellTable(Cell(i, tuple(names[n] for n in self.nodes_of(i)),
+                                    layout.standalone[i], layout.roles[i])
+                               for i in range(self.cfg.cluster.num_cells))
+        from gyre_slurm.runtime import handoff
+
+        rollout = [c.cell_id for c in self.table.cells if c.role is Role.ROLLOUT]
+        await asyncio.gather(*(handoff.bring_up_engine(self, c) for c in rollout))
+        train_nodes = [n for c in self.table.ids(Role.TRAIN) for n in self.nodes_of(c)]
+        async with self.world.lock:
+            timings = await self.world.rebuild(train_nodes)
+        self.rd.event("layout", roles=[c.role.value for c in self.table.cells], **timings)
+
+    # -- the job ---------------------------------------------------------------------
+    async def run(self) -> int:
+        self.resume_state = None
+        version = self.prepare_run_dir()
+        self.book.version = version
+        await self.start_services()
+        launcher = LocalLauncher(run_dir=self.rd.path, num_nodes=self.cfg.cluster.num_nodes,
+                                 addr_prefix=self.cfg.runtime.node_addr_prefix)
+        self.launcher = launcher
+        launcher.start(self.control_url)
+        try:
+            await asyncio.wait_for(self.registered.wait(), timeout=120)
+            if self.resume:
+                from gyre_slurm.runtime import checkpoint
+
+                checkpoint.replay_runs(self)
+            await self.lay_out()
+            self.rd.event("start", policy=self.policy.name, version=self.book.version,
+                          resume=self.resume)
+            loops = [self.policy_loop(), self.training_loop(), self.status_loop(),
+                     self.watch_agents()]
+            tasks = [asyncio.create_task(c) for c in loops]
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for task in done:
+                if task.exception() is not None:
+                    raise task.exception()
+            self.rd.event("finish", version=self.book.version, wall_s=time.time() - self.t0)
+            self.write_status(final=True)
+            return 0
+        finally:
+            await self.shutdown()
+
+    async def shutdown(self) -> None:
+        if self.rollouts is not None:
+            await self.rollouts.cancel_all()
+        await asyncio.gather(*(a.post("/cmd/shutdown", timeout_s=5) for a in self.agents.values()),
+                             return_exceptions=True)
+        await asyncio.to_thread(self.launcher.stop)
+        for client in self.agents.values():
+            await client.close()
+        if self.gateway is not None:
+            await self.gateway.stop()
+        self.call_writer.close()
+        await self.control_runner.cleanup()
+
+    def capacity(self) -> int:
+        serving = [c for c in self.table.ids(Role.ROLLOUT) if c not in self.busy_cells]
+        return len(serving) * self.cfg.runtime.runs_per_cell
+
+    async def policy_loop(self) -> None:
+        from gyre_slurm.runtime import handoff
+
+        while not self.book.done():
+            self.rollouts.fill(self.capacity())
+            decisions = [d for d in self.policy.decide(self.observe())
+                         if d.cell_id not in self.busy_cells]
+            for d in decisions:
+                self.rd.event("decision", **d.as_event(time.time() - self.t0))
+            if decisions:
+                handoff.start(self, decisions)
+            await asyncio.sleep(self.cfg.runtime.policy_interval_s)
+
+    async def training_loop(self) -> None:
+        from gyre_slurm.runtime import checkpoint
+
+        rt = self.cfg.runtime
+        while not self.book.done():
+            async with self.world.lock:
+                trained = await self.train_one() if self.world.members else False
+                if not trained and self.world.members and self.book.step_complete():
+                    await self.finish_step()
+                    if self.book.version % rt.checkpoint_every_steps == 0 or self.book.done():
+                        await checkpoint.save(self)
+                    continue
+            if not trained:
+                await asyncio.sleep(0.05)
+
+    async def train_one(self) -> bool:
+        batch = self.book.next_microbatch(max_tokens=int(self.cfg.training.microbatch_tokens))
+        if not batch:
+            return False
+        step = self.book.version
+        index = self.book.steps[step].handed_out
+        t0 = time.monotonic()
+        stats = await self.world.train_microbatch(batch, self.rd.stream_file(step, index))
+        dt = time.monotonic() - t0
+        tokens = sum(len(t["token_ids"]) for t in batch)
+        cells = max(1, len(self.world.members) // self.cfg.cluster.cell_nodes)
+        self.train_rate.append(tokens / max(dt, 1e-6) / cells)
+        self.book.trained(batch)
+        self.rd.event("microbatch", step=step, index=index, runs=[t["run_id"] for t in batch],
+                      tokens=tokens, members=list(self.world.members), seconds=dt, **stats)
+        return True
+
+    async def finish_step(self) -> None:
+        from gyre_slurm.runtime import handoff
+
+        step = self.book.version
+        state = self.book.steps[step]
+        t0 = time.monotonic()
+        publish = tiny.weights_dir(self.rd.path, step + 1)
+        stats = await self.world.optimizer_step(publish_dir=publish,
+                                                num_step_tokens=max(1, state.trained_tokens))
+        version = self.book.step_done()
+        await handoff.load_weights_everywhere(self, version)
+        rewards = [self.book.runs[r].reward for r in state.runs
+                   if self.book.runs[r].state == "ok"]
+        mean = statistics.fmean(rewards) if rewards else float("nan")
+        self.rewards.append({"step": step, "mean_reward": mean, "runs_ok": len(rewards)})
+        self.rd.event("step", step=step, version=version, mean_reward=mean,
+                      trajectories=state.trained, tokens=state.trained_tokens,
+                      runs_ok=len(rewards), runs=len(state.runs),
+                      seconds=time.monotonic() - t0, **{k: v for k, v in stats.items()
+                                                        if isinstance(v, (int, float))})
+
+    def on_ready(self, trajectories: list[dict]) -> None:
+        """A group became trainable (the training loop picks it up)."""
+
+    # -- observation and status ------------------------------------------------------
+    def observe(self) -> Observation:
+        now = time.time() - self.t0
+        load = self.gateway.server_load()
+        cells = tuple(CellObs(c.cell_id, c.role, c.target, c.standalone,
+                              int(load.get(f"cell{c.cell_id}", {}).get("runs", 0)),
+                              c.since_s) for c in self.table.cells)
+        rate = statistics.median(self.train_rate[-20:]) if self.train_rate else 1000.0
+        traj_tokens = [len(t["token_ids"]) for s in self.book.steps for t in s.ready]
+        return Observation(
+            now_s=now, cells=cells, cell_capacity=self.cfg.runtime.runs_per_cell,
+            runs_in_flight=self.rollouts.in_flight(), runs_queued=len(self.book.pending()),
+            runs_future=self.book.future(),
+            run_elapsed_s=np.asarray(self.rollouts.elapsed_s(time.time())),
+            train_ready_tokens=float(self.book.ready_tokens()),
+            train_waiting_tokens=float(self.book.waiting_tokens()),
+            train_tokens_per_cell_s=rate,
+            min_train_cells=math.ceil(self.cfg.training.min_replica_nodes / self.cfg.cluster.cell_nodes),
+            tokens_per_run=float(statistics.fmean(traj_tokens)) if traj_tokens else 100.0,
+            policy_version=self.book.version, steps_done=self.book.version,
+            num_steps=self.book.num_steps,
+            handoff_to_train_s=self.cfg.handoff.to_train_s,
+            handoff_to_rollout_s=self.cfg.handoff.to_rollout_s,
+            step_runs_left=self.book.step_runs_left(),
+        )
+
+    def write_status(self, *, final: bool = False) -> None:
+        load = self.gateway.server_load() if self.gateway else {}
+        self.rd.write_status({
+            "t": time.time(), "elapsed_s": time.time() - self.t0, "final": final,
+            "policy": self.policy.name, "version": self.book.version,
+            "num_steps": self.book.num_steps,
+            "cells": [{"cell": c.cell_id, "nodes": list(c.nodes), "role": c.role.value,
+                       "target": c.target.value if c.target else None,
+                       "runs": load.get(f"cell{c.cell_id}", {}).get("runs", 0)}
+                      for c in self.table.cells] if self.table else [],
+            "runs": {s: self.book.count(s) for s in ("pending", "running", "ok", "failed",
+                                                     "timeout")},
+            "train": {"members": list(self.world.members) if self.world else [],
+                      "generation": self.world.generation if self.world else 0,
+                      "ready_tokens": self.book.ready_tokens()},
+            "rewards": self.rewards,
+        })
+
+    async def status_loop(self) -> None:
+        while True:
+            self.write_status()
+            await asyncio.sleep(self.cfg.runtime.status_interval_s)
+
+    async def watch_agents(self) -> None:
+        lost_s = self.cfg.runtime.agent_lost_s
+        while True:
+            now = time.monotonic()
+            for node, beat in self.heartbeats.items():
+                if now - beat > lost_s:
+                    self.rd.event("agent_lost", node=node, silent_s=now - beat)
+                    raise AgentLost(f"node agent {node} silent for {now - beat:.1f}s; "
+                                    f"see {self.rd.log(f'agent-node{node + 1}')}")
+            await asyncio.sleep(0.5)
+
+
+def _async_policy(cfg: GyreConfig):
+    from gyre_slurm.sched.baselines import AsyncPolicy
+
+    return AsyncPolicy(rollout_cells=cfg.scheduler.async_rollout_cells,
+                       streaming=cfg.scheduler.streaming)

@@ -1,0 +1,123 @@
+"""Handoffs (DESIGN 6), executed for the coordinator, every phase timed into events.jsonl.
+
+rollout -> train: stop routing new runs to the cell's server (gateway drain); wait
+until its runs have moved at their next call and no call is in flight (`drain_s`);
+release the engine (`engine_release_s`); rebuild the training world with the cell's
+nodes, which receive weights and optimizer state from a member that stays
+(`rebuild_s`, with the workers' own phases). train -> rollout: the training loop
+finishes its current micro-batch (the world lock: `drain_s`); the world is rebuilt
+without the cell (`rebuild_s`); the engine resumes with the current policy version and
+is added to the gateway (`engine_start_s`). Decisions of one tick that go the same way
+are executed together: one drain wait, one rebuild.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from gyre_slurm.sched.cells import Role
+from gyre_slurm.sched.types import Decision
+
+log = logging.getLogger(__name__)
+
+
+def start(coord, decisions: list[Decision]) -> None:
+    to_train = [d for d in decisions if d.to_role is Role.TRAIN and d.cause != "cancel_drain"]
+    to_rollout = [d for d in decisions if d.to_role is Role.ROLLOUT and d.cause != "cancel_drain"]
+    for group, fn in ((to_train, to_train_cells), (to_rollout, to_rollout_cells)):
+        if group:
+            cells = [d.cell_id for d in group]
+            coord.busy_cells.update(cells)
+            task = asyncio.create_task(_guard(coord, fn, cells))
+            coord.handoff_tasks = getattr(coord, "handoff_tasks", set())
+            coord.handoff_tasks.add(task)
+            task.add_done_callback(coord.handoff_tasks.discard)
+
+
+async def _guard(coord, fn, cells: list[int]) -> None:
+    try:
+        await fn(coord, cells)
+    except Exception as exc:  # noqa: BLE001 - a failed handoff stops the job, loudly
+        log.exception("handoff of cells %s failed", cells)
+        coord.rd.event("handoff_failed", cells=cells, error=f"{type(exc).__name__}: {exc}")
+        coord.failure = exc
+    finally:
+        coord.busy_cells.difference_update(cells)
+
+
+async def bring_up_engine(coord, cell: int) -> float:
+    node = coord.nodes_of(cell)[0]  # one server per cell (tensor parallel over its GPUs)
+    version = coord.book.version
+    res = await coord.agents[node].post("/cmd/start_engine", {"version": version})
+    while coord.book.version != version:  # a step finished meanwhile: catch up
+        version = coord.book.version
+        await coord.agents[node].post("/cmd/load_weights", {"version": version})
+    from gyre_slurm.engines import EngineClient
+
+    coord.engines[cell] = res["base_url"]
+    coord.gateway.add_server(f"cell{cell}", EngineClient(res["base_url"], coord.rd.secret()),
+                             capacity=coord.cfg.runtime.runs_per_cell)
+    return float(res.get("engine_start_s", 0.0))
+
+
+async def load_weights_everywhere(coord, version: int) -> None:
+    """Every serving engine loads the new policy (in place, between calls)."""
+    cells = [c for c in coord.engines if c not in coord.busy_cells and
+             coord.table[c].role is Role.ROLLOUT]
+    t0 = time.monotonic()
+    await asyncio.gather(*(coord.agents[coord.nodes_of(c)[0]].post(
+        "/cmd/load_weights", {"version": version}) for c in cells))
+    coord.rd.event("weights_loaded", version=version, cells=cells,
+                   seconds=time.monotonic() - t0)
+
+
+async def to_train_cells(coord, cells: list[int]) -> None:
+    t0 = time.monotonic()
+    for c in cells:
+        coord.table.begin_handoff(c, Role.TRAIN, now_s=time.time() - coord.t0)
+        coord.gateway.drain_server(f"cell{c}")
+    while any(_busy(coord, c) for c in cells):
+        await asyncio.sleep(0.05)
+    phases = {"drain_s": time.monotonic() - t0}
+    t1 = time.monotonic()
+    for c in cells:
+        coord.gateway.remove_server(f"cell{c}")
+        coord.table.begin_loading(c, now_s=time.time() - coord.t0)
+    await asyncio.gather(*(coord.agents[coord.nodes_of(c)[0]].post("/cmd/release_engine")
+                           for c in cells))
+    phases["engine_release_s"] = time.monotonic() - t1
+    async with coord.world.lock:
+        new = sorted(set(coord.world.members) | {n for c in cells for n in coord.nodes_of(c)})
+        phases.update(await coord.world.rebuild(new))
+    for c in cells:
+        coord.table.finish_handoff(c, now_s=time.time() - coord.t0)
+    phases["total_s"] = time.monotonic() - t0
+    coord.rd.event("handoff", direction="rollout->train", cells=cells, **phases)
+
+
+async def to_rollout_cells(coord, cells: list[int]) -> None:
+    t0 = time.monotonic()
+    for c in cells:
+        coord.table.begin_handoff(c, Role.ROLLOUT, now_s=time.time() - coord.t0)
+    async with coord.world.lock:  # the current micro-batch finishes first
+        phases = {"drain_s": time.monotonic() - t0}
+        for c in cells:
+            coord.table.begin_loading(c, now_s=time.time() - coord.t0)
+        leaving = {n for c in cells for n in coord.nodes_of(c)}
+        phases.update(await coord.world.rebuild([n for n in coord.world.members
+                                                 if n not in leaving]))
+    t1 = time.monotonic()
+    starts = await asyncio.gather(*(bring_up_engine(coord, c) for c in cells))
+    phases["engine_start_s"] = time.monotonic() - t1
+    phases["engine_start_each_s"] = max(starts)
+    for c in cells:
+        coord.table.finish_handoff(c, now_s=time.time() - coord.t0)
+    phases["total_s"] = time.monotonic() - t0
+    coord.rd.event("handoff", direction="train->rollout", cells=cells, **phases)
+
+
+def _busy(coord, cell: int) -> bool:
+    load = coord.gateway.server_load().get(f"cell{cell}", {})
+    return bool(load.get("runs", 0) or load.get("in_flight", 0))

@@ -1,0 +1,135 @@
+"""The rollout manager: starts agent runs within the batch and staleness budget and the
+servers' capacity, and turns each finished run into trajectories.
+
+A run is an asyncio task running the agent loop against the gateway's per-run URL, as
+an unmodified OpenAI client would. When it ends, its run record is appended to
+`runs/runs.jsonl`; an ok run's calls are read back from the call store, rebuilt into a
+prefix tree and cut into at most K trajectories (`gyre_slurm.traj`), and the ledger
+releases its group for training once the whole group has ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from gyre_slurm.config.schema import GyreConfig
+from gyre_slurm.runtime.book import StepBook
+from gyre_slurm.runtime.fsio import append_jsonl
+from gyre_slurm.runtime.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+class RolloutManager:
+    def __init__(self, *, cfg: GyreConfig, rd: RunDir, book: StepBook, gateway, gateway_url: str,
+                 api_key: str, on_ready):
+        self.cfg, self.rd, self.book = cfg, rd, book
+        self.gateway, self.gateway_url, self.api_key = gateway, gateway_url, api_key
+        self.on_ready = on_ready  # callback(list of trajectories) when a group is trainable
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.started_at: dict[str, float] = {}
+        self.durations: list[float] = []
+        self._buffer = None
+        self._tasks_cache: dict[int, list] = {}
+
+    @property
+    def started_file(self) -> Path:
+        return self.rd.path / "runs" / "started.jsonl"
+
+    def in_flight(self) -> int:
+        return len(self.tasks)
+
+    def elapsed_s(self, now: float) -> list[float]:
+        return [now - t for t in self.started_at.values()]
+
+    def fill(self, capacity: int) -> int:
+        """Start pending runs while servers have room. Returns how many started."""
+        started = 0
+        for entry in self.book.pending():
+            if len(self.tasks) >= capacity:
+                break
+            self.book.start(entry.run_id)
+            append_jsonl(self.started_file, {"run_id": entry.run_id, "t": time.time()})
+            self.started_at[entry.run_id] = time.time()
+            self.tasks[entry.run_id] = asyncio.create_task(self._run(entry), name=entry.run_id)
+            started += 1
+        return started
+
+    def _task_spec(self, step: int, prompt: int):
+        from gyre_slurm.envs import tasks_for_step
+
+        if step not in self._tasks_cache:
+            self._tasks_cache[step] = tasks_for_step(
+                self.cfg.runtime.env, step=step, num_prompts=self.cfg.workload.prompts_per_step,
+                seed=self.cfg.sim.seed)
+        return self._tasks_cache[step][prompt]
+
+    async def _run(self, entry) -> None:
+        from gyre_slurm.agents.loop import run_agent
+        from gyre_slurm.envs import make_env
+
+        rt = self.cfg.runtime
+        env = make_env(rt.env, **rt.env_params)
+        task = self._task_spec(entry.step, entry.prompt)
+        base_url = f"{self.gateway_url}/runs/{entry.run_id}/v1"
+        try:
+            result = await asyncio.wait_for(run_agent(
+                base_url=base_url, api_key=self.api_key, env=env, task=task,
+                run_id=entry.run_id, max_turns=rt.max_turns,
+                context_budget_tokens=rt.context_budget_tokens, max_tokens=rt.max_tokens,
+                temperature=rt.temperature), timeout=rt.run_timeout_s)
+            record = result.to_record()
+        except asyncio.TimeoutError:
+            record = {"run_id": entry.run_id, "task_id": task.task_id, "reward": 0.0,
+                      "status": "timeout", "error": f"run exceeded {rt.run_timeout_s:g}s"}
+        finally:
+            await env.close()
+        record.update(step=entry.step, prompt=entry.prompt, member=entry.member)
+        self.finish(entry.run_id, record)
+
+    def finish(self, run_id: str, record: dict) -> None:
+        """Record a run's end (also used on resume for runs that ended before a stop)."""
+        self.tasks.pop(run_id, None)
+        start = self.started_at.pop(run_id, None)
+        if start is not None:
+            self.durations.append(time.time() - start)
+            append_jsonl(self.rd.runs_file, record)
+        if self.gateway is not None:
+            self.gateway.end_run(run_id)
+        trajectories, status = [], record["status"]
+        if status == "ok":
+            trajectories, error = self._trajectories(run_id)
+            if error:
+                status = "failed"
+                self.rd.event("run_rejected", run_id=run_id, reason=error)
+        ready = self.book.finish(run_id, status=status, reward=float(record.get("reward", 0.0)),
+                                 trajectories=trajectories)
+        self.rd.event("run_end", run_id=run_id, status=status, reward=record.get("reward"),
+                      trajectories=len(trajectories), error=record.get("error"))
+        if ready:
+            self.on_ready(ready)
+
+    def _trajectories(self, run_id: str) -> tuple[list[dict], str | None]:
+        from gyre_slurm.traj.process import process_run
+        from gyre_slurm.traj.store import RunBuffer
+
+        if self.gateway is not None:
+            self.gateway.flush_calls()
+        if self._buffer is None:
+            self._buffer = RunBuffer(self.rd.path)
+        self._buffer.poll()
+        loaded = self._buffer.take(run_id)
+        if run_id not in loaded.runs:
+            reasons = "; ".join(e.reason for e in loaded.errors) or "no recorded calls"
+            return [], f"calls of {run_id} unusable: {reasons}"
+        result = process_run(loaded.runs[run_id], max_per_run=self.cfg.runtime.max_per_run)
+        return [t.to_json() for t in result.trajectories], None
+
+    async def cancel_all(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        self.tasks.clear()

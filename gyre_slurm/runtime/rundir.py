@@ -1,0 +1,97 @@
+"""The run dir on the shared filesystem (DESIGN 7) and the writers of its live files.
+
+```
+RUN_DIR/
+  config.yaml           the resolved config, as run
+  secret                the run's shared secret (mode 0600): control channel, engines, gateway
+  status.json           current state, rewritten atomically about once a second
+  events.jsonl          append-only: decisions, handoff phases, steps, failures
+  calls/ runs/          the gateway's call store; run records (runs/runs.jsonl)
+  stream/               micro-batches handed to the training ranks
+  checkpoints/step_NNNNNN/  complete checkpoints (written as .tmp-*, renamed); `latest` names the newest
+  weights/vNNNNNN/      the policy versions rollout servers load
+  model/                the model's config and tokenizer
+  logs/                 one file per node agent and per engine process
+```
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from pathlib import Path
+
+from gyre_slurm.config.loader import dump_yaml
+from gyre_slurm.config.schema import GyreConfig
+from gyre_slurm.runtime.fsio import append_jsonl, read_jsonl, write_bytes_atomic, write_json_atomic
+
+
+class RunDir:
+    def __init__(self, path: str | Path):
+        self.path = Path(path).resolve()
+
+    # -- layout ----------------------------------------------------------------------
+    @property
+    def secret_file(self) -> Path:
+        return self.path / "secret"
+
+    @property
+    def status_file(self) -> Path:
+        return self.path / "status.json"
+
+    @property
+    def events_file(self) -> Path:
+        return self.path / "events.jsonl"
+
+    @property
+    def runs_file(self) -> Path:
+        return self.path / "runs" / "runs.jsonl"
+
+    @property
+    def model_dir(self) -> Path:
+        return self.path / "model"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    def log(self, name: str) -> Path:
+        return self.path / "logs" / f"{name}.log"
+
+    def stream_file(self, step: int, index: int) -> Path:
+        return self.path / "stream" / f"step{step:06d}_mb{index:05d}.json"
+
+    # -- creation --------------------------------------------------------------------
+    def create(self, cfg: GyreConfig) -> None:
+        for sub in ("calls", "runs", "stream", "checkpoints", "weights", "logs"):
+            (self.path / sub).mkdir(parents=True, exist_ok=True)
+        os.chmod(self.checkpoints, 0o700)
+        write_bytes_atomic(self.path / "config.yaml", dump_yaml(cfg).encode())
+        if not self.secret_file.exists():
+            write_bytes_atomic(self.secret_file, secrets.token_hex(32).encode(), mode=0o600)
+
+    def secret(self) -> str:
+        return self.secret_file.read_text().strip()
+
+    # -- live files ------------------------------------------------------------------
+    def event(self, kind: str, **fields) -> dict:
+        record = {"t": time.time(), "kind": kind, **fields}
+        append_jsonl(self.events_file, record)
+        return record
+
+    def events(self) -> list[dict]:
+        return list(read_jsonl(self.events_file))
+
+    def write_status(self, status: dict) -> None:
+        write_json_atomic(self.status_file, status)
+
+    def latest_checkpoint(self) -> Path | None:
+        latest = self.checkpoints / "latest"
+        if not latest.exists():
+            return None
+        target = self.checkpoints / latest.read_text().strip()
+        return target if target.is_dir() else None
+
+    def set_latest(self, name: str) -> None:
+        write_bytes_atomic(self.checkpoints / "latest", name.encode())
