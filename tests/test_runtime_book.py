@@ -1,0 +1,85 @@
+"""The coordinator's ledger: batches, staleness, groups, streaming, exactly-once."""
+
+import pytest
+
+from gyre_slurm.runtime.book import StepBook, run_id_of
+
+
+def traj(run_id, n=4):
+    return {"run_id": run_id, "token_ids": list(range(n)), "loss_mask": [0, 1] * (n // 2),
+            "logprobs": [0.0] * n, "policy_version": 0, "advantage": 0.0}
+
+
+def book(**kw):
+    args = dict(num_steps=3, prompts_per_step=2, group_size=2, staleness=1)
+    args.update(kw)
+    return StepBook(**args)
+
+
+def test_staleness_bounds_the_batches_allowed():
+    b = book(staleness=1)
+    assert list(b.allowed_steps()) == [0, 1]
+    assert len(b.pending()) == 8 and b.future() == 4
+    b0 = book(staleness=0)
+    assert list(b0.allowed_steps()) == [0] and len(b0.pending()) == 4
+
+
+def test_a_group_trains_only_when_all_its_runs_ended_with_group_advantages():
+    b = book()
+    for r in b.pending():
+        b.start(r.run_id)
+    g0, g1 = run_id_of(0, 0, 0), run_id_of(0, 0, 1)
+    assert b.finish(g0, status="ok", reward=1.0, trajectories=[traj(g0)]) == []
+    ready = b.finish(g1, status="ok", reward=0.0, trajectories=[traj(g1), traj(g1)])
+    assert [(t["run_id"], t["advantage"]) for t in ready] == [(g0, 0.5), (g1, -0.5), (g1, -0.5)]
+
+
+def test_failed_runs_never_train_and_leave_the_baseline():
+    b = book()
+    for r in b.pending():
+        b.start(r.run_id)
+    g0, g1 = run_id_of(0, 1, 0), run_id_of(0, 1, 1)
+    b.finish(g0, status="failed", reward=0.0, trajectories=[traj(g0)])
+    ready = b.finish(g1, status="ok", reward=0.7, trajectories=[traj(g1)])
+    assert [(t["run_id"], t["advantage"]) for t in ready] == [(g1, 0.0)]
+
+
+def test_streaming_microbatches_and_step_completion():
+    b = book()
+    for r in b.pending():
+        b.start(r.run_id)
+    for p in range(2):
+        for g in range(2):
+            rid = run_id_of(0, p, g)
+            b.finish(rid, status="ok", reward=float(g), trajectories=[traj(rid, 6)])
+    assert not b.step_complete()
+    seen = []
+    while batch := b.next_microbatch(max_tokens=12):
+        assert sum(len(t["token_ids"]) for t in batch) <= 12
+        b.trained(batch)
+        seen += [t["run_id"] for t in batch]
+    assert sorted(seen) == sorted(run_id_of(0, p, g) for p in range(2) for g in range(2))
+    assert b.step_complete()
+    assert b.step_done() == 1
+    assert list(b.allowed_steps()) == [0, 1, 2]
+    assert b.steps[0].trained_tokens == 4 * 3
+
+
+def test_a_microbatch_holds_at_least_one_trajectory():
+    b = book(prompts_per_step=1, group_size=1)
+    b.start(run_id_of(0, 0, 0))
+    b.finish(run_id_of(0, 0, 0), status="ok", reward=1, trajectories=[traj("x", 100)])
+    assert len(b.next_microbatch(max_tokens=10)) == 1
+
+
+def test_restart_gives_an_interrupted_run_a_new_attempt():
+    b = book()
+    rid = run_id_of(1, 0, 1)
+    b.start(rid)
+    new = b.restart(rid)
+    assert new == rid + "-a1"
+    assert rid not in b.runs and b.runs[new].state == "pending"
+    assert new in b.steps[1].runs
+    b.finish("s0000-p000-g00", status="ok", reward=0, trajectories=[])
+    with pytest.raises(AssertionError):  # a run ends once
+        b.finish("s0000-p000-g00", status="ok", reward=0, trajectories=[])
