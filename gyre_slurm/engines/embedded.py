@@ -2,7 +2,7 @@
 
     python -m gyre_slurm.engines.embedded --model-dir DIR --host 127.0.10.N --port P \
         --weights WEIGHTS_DIR --version V --secret-file FILE [--ready-file F] \
-        [--model-name NAME] [--log-level INFO]
+        [--model-name NAME] [--log-level INFO] [--parent-pid PID]
 
 Binds only to the given loopback address (port 0: a free one). Once serving it writes
 `{"host", "port", "pid", "base_url"}` to the ready file atomically. Every request must
@@ -21,7 +21,8 @@ Requests and answers are JSON:
     GET  /v1/models     -> {"object": "list", "data": [{"id": NAME, ...}]}
 
 Errors are `{"error": message}` with 400 (bad request), 401, 503 (released) or 500.
-SIGTERM/SIGINT stop the server cleanly.
+SIGTERM/SIGINT stop the server cleanly; so does the exit of `--parent-pid` (checked every
+second), so that an engine never outlives the process that launched it.
 """
 
 from __future__ import annotations
@@ -192,12 +193,29 @@ async def serve(args: argparse.Namespace) -> None:
     if args.ready_file:
         fsio.write_json_atomic(args.ready_file, info)
     log.info("engine serving at %s (policy version %d)", info["base_url"], args.version)
+    watch = asyncio.create_task(_watch_parent(args.parent_pid, stop)) if args.parent_pid \
+        else None
     try:
         await stop.wait()
     finally:
+        if watch is not None:
+            watch.cancel()
         log.info("engine stopping")
         await runner.cleanup()
         sampler.close()
+
+
+async def _watch_parent(pid: int, stop: asyncio.Event, interval_s: float = 1.0) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            log.warning("parent pid %d is gone: stopping", pid)
+            stop.set()
+            return
+        except PermissionError:
+            pass  # alive, someone else's
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -212,6 +230,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ready-file", type=Path, help="written (JSON) once serving")
     p.add_argument("--model-name", default="gyre-policy")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--parent-pid", type=int, help="stop when this process is gone")
     return p.parse_args(argv)
 
 

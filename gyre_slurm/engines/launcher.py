@@ -104,7 +104,7 @@ def engine_command(*, model_dir: str | Path, host: str, weights_dir: str | Path,
             "--host", host, "--port", str(port), "--weights", str(weights_dir),
             "--version", str(version), "--secret-file", str(secret_file),
             "--ready-file", str(ready_file), "--model-name", model_name,
-            "--log-level", log_level]
+            "--log-level", log_level, "--parent-pid", str(os.getpid())]
 
 
 def start_engine(*, model_dir: str | Path, host: str, weights_dir: str | Path,

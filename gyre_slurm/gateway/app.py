@@ -177,6 +177,9 @@ class Gateway:
                             "server_error") from None
         finally:
             self.router.release(server)
+        if not _well_formed(result):
+            raise HttpError(502, f"rollout server {server.server_id!r} answered a malformed "
+                            f"generation: {str(result)[:200]}", "server_error")
         call = self._calls.get(run_id, 0)
         self.call_writer.append({
             "run_id": run_id, "call": call, "prompt_ids": prompt_ids,
@@ -186,3 +189,10 @@ class Gateway:
         self._calls[run_id] = call + 1
         return result, {"run_id": run_id, "call": call, "server": server.server_id,
                         "policy_version": result["policy_version"]}
+
+
+def _well_formed(result: dict[str, Any]) -> bool:
+    ids, lps = result.get("output_ids"), result.get("output_logprobs")
+    return (isinstance(ids, list) and isinstance(lps, list) and len(ids) == len(lps)
+            and isinstance(result.get("policy_version"), int)
+            and result.get("finish_reason") in ("stop", "length"))
