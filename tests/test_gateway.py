@@ -221,3 +221,26 @@ def test_errors_keep_gateway_serving(engines, tmp_path):
     assert out["dead"][0] == 502 and "'dead'" in out["dead"][1]["error"]["message"]
     assert out["after"][0] == 200 and out["after"][1]["gyre"]["server"] == "s1"
     assert out["calls"] == (1, 0)
+
+
+def test_concurrent_runs_balance_and_record(engines, tmp_path):
+    run_ids = [f"p{i}" for i in range(6)]
+
+    async def go(gw, http, base):
+        async def agent(run_id):
+            servers = []
+            for turn in range(2):
+                status, body = await chat(http, base, run_id, max_tokens=6, seed=turn)
+                assert status == 200, body
+                servers.append(body["gyre"]["server"])
+            return servers
+        placed = await asyncio.gather(*(agent(r) for r in run_ids))
+        return placed, gw.server_load(), [gw.calls_of(r) for r in run_ids]
+    placed, load, calls = run_gateway(engines, tmp_path, go)
+    assert all(len(set(p)) == 1 for p in placed)  # affinity under concurrency
+    assert load == {"s0": {"runs": 3, "in_flight": 0, "draining": False},
+                    "s1": {"runs": 3, "in_flight": 0, "draining": False}}
+    assert calls == [2] * 6
+    loaded = load_store(tmp_path)
+    assert not loaded.errors and sorted(loaded.runs) == run_ids
+    assert all([d.call for d in loaded.runs[r]] == [0, 1] for r in run_ids)
