@@ -1,0 +1,250 @@
+"""The embedded rollout engine: an aiohttp server around `sampler.Sampler`.
+
+    python -m gyre_slurm.engines.embedded --model-dir DIR --host 127.0.10.N --port P \
+        --weights WEIGHTS_DIR --version V --secret-file FILE [--ready-file F] \
+        [--model-name NAME] [--log-level INFO] [--parent-pid PID]
+
+Binds only to the given loopback address (port 0: a free one). Once serving it writes
+`{"host", "port", "pid", "base_url"}` to the ready file atomically. Every request must
+carry `Authorization: Bearer <secret>` (the secret file's content, stripped), else 401.
+Requests and answers are JSON:
+
+    GET  /health        -> {"status": "ok"|"released", "policy_version": V, "active": n}
+    POST /generate      {"prompt_ids", "max_tokens", "temperature"=1.0,
+                         "stop_token_ids"=[], "seed"=null}
+                        -> {"output_ids", "output_logprobs", "finish_reason":
+                            "stop"|"length", "policy_version"}
+    POST /load_weights  {"path", "version"} -> {"policy_version"} (after the generations
+                        already in flight, which finish under the old version)
+    POST /release       -> {"status": "released"}  (then /generate answers 503)
+    POST /resume        {"path", "version"} -> {"status": "ok", "policy_version"}
+    GET  /v1/models     -> {"object": "list", "data": [{"id": NAME, ...}]}
+
+Errors are `{"error": message}` with 400 (bad request), 401, 503 (released) or 500.
+SIGTERM/SIGINT stop the server cleanly; so does the exit of `--parent-pid` (checked every
+second), so that an engine never outlives the process that launched it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import ipaddress
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from gyre_slurm.engines.sampler import BadRequest, Released, Sampler, parse_generate
+from gyre_slurm.errors import UserError
+from gyre_slurm.runtime import fsio
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 << 20
+SAMPLER = web.AppKey("sampler", Sampler)
+STATE = web.AppKey("state", dict)
+
+
+def check_loopback(host: str) -> None:
+    try:
+        ok = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        ok = False
+    if not ok:
+        raise UserError(f"host {host!r}: an engine binds only to a loopback address "
+                        "(127.x.y.z)")
+
+
+def read_secret(path: str | Path) -> str:
+    path = Path(path)
+    secret = path.read_text().strip()
+    if not secret:
+        raise UserError(f"{path}: the secret file is empty")
+    if path.stat().st_mode & 0o077:
+        log.warning("%s: secret file is readable by others (chmod 600 it)", path)
+    return secret
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def _auth_middleware(secret: str):
+    expected = f"Bearer {secret}".encode()
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        got = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(got, expected):
+            return _error(401, "missing or wrong 'Authorization: Bearer <secret>'")
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status == 413:
+                return _error(413, f"request body over {MAX_BODY_BYTES} bytes")
+            raise
+        except BadRequest as exc:
+            return _error(400, str(exc))
+        except Released as exc:
+            return _error(503, str(exc))
+        except Exception as exc:  # noqa: BLE001 - the server keeps serving
+            log.exception("%s %s failed", request.method, request.path)
+            return _error(500, f"{type(exc).__name__}: {exc}")
+    return middleware
+
+
+async def _json(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError as exc:
+        raise BadRequest(f"body is not valid JSON: {exc}") from None
+
+
+def _path_version(body: Any) -> tuple[Path, int]:
+    if not isinstance(body, dict) or "path" not in body or "version" not in body:
+        raise BadRequest("body must be {\"path\": WEIGHTS_DIR, \"version\": V}")
+    version = body["version"]
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise BadRequest(f"version must be an integer >= 0, got {version!r}")
+    return Path(str(body["path"])), version
+
+
+async def health(request: web.Request) -> web.Response:
+    sampler, state = request.app[SAMPLER], request.app[STATE]
+    return web.json_response({"status": "ok" if sampler.loaded else "released",
+                              "policy_version": sampler.version,
+                              "active": state["active"]})
+
+
+async def generate(request: web.Request) -> web.Response:
+    sampler, state = request.app[SAMPLER], request.app[STATE]
+    req = parse_generate(await _json(request), vocab_size=sampler.vocab_size,
+                         max_positions=sampler.max_positions)
+    if not sampler.loaded:
+        raise Released("the model is released; POST /resume first")
+    state["active"] += 1
+    try:
+        return web.json_response(await asyncio.wrap_future(sampler.generate(req)))
+    finally:
+        state["active"] -= 1
+
+
+async def load_weights(request: web.Request) -> web.Response:
+    sampler = request.app[SAMPLER]
+    path, version = _path_version(await _json(request))
+    await asyncio.wrap_future(sampler.load(path, version))
+    return web.json_response({"policy_version": version})
+
+
+async def release(request: web.Request) -> web.Response:
+    await asyncio.wrap_future(request.app[SAMPLER].release())
+    return web.json_response({"status": "released"})
+
+
+async def resume(request: web.Request) -> web.Response:
+    sampler = request.app[SAMPLER]
+    path, version = _path_version(await _json(request))
+    await asyncio.wrap_future(sampler.load(path, version))
+    return web.json_response({"status": "ok", "policy_version": version})
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response({"object": "list", "data": [{
+        "id": state["model_name"], "object": "model", "created": state["created"],
+        "owned_by": "gyre"}]})
+
+
+def make_app(sampler: Sampler, *, secret: str, model_name: str) -> web.Application:
+    app = web.Application(middlewares=[_auth_middleware(secret)],
+                          client_max_size=MAX_BODY_BYTES)
+    app[SAMPLER] = sampler
+    app[STATE] = {"active": 0, "model_name": model_name, "created": int(time.time())}
+    app.add_routes([web.get("/health", health), web.post("/generate", generate),
+                    web.post("/load_weights", load_weights), web.post("/release", release),
+                    web.post("/resume", resume), web.get("/v1/models", models)])
+    return app
+
+
+async def serve(args: argparse.Namespace) -> None:
+    check_loopback(args.host)
+    secret = read_secret(args.secret_file)
+    sampler = Sampler(args.model_dir)
+    await asyncio.wrap_future(sampler.load(Path(args.weights), args.version))
+    runner = web.AppRunner(make_app(sampler, secret=secret, model_name=args.model_name),
+                           access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    info = {"host": args.host, "port": port, "pid": os.getpid(),
+            "base_url": f"http://{args.host}:{port}"}
+    if args.ready_file:
+        fsio.write_json_atomic(args.ready_file, info)
+    log.info("engine serving at %s (policy version %d)", info["base_url"], args.version)
+    watch = asyncio.create_task(_watch_parent(args.parent_pid, stop)) if args.parent_pid \
+        else None
+    try:
+        await stop.wait()
+    finally:
+        if watch is not None:
+            watch.cancel()
+        log.info("engine stopping")
+        await runner.cleanup()
+        sampler.close()
+
+
+async def _watch_parent(pid: int, stop: asyncio.Event, interval_s: float = 1.0) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            log.warning("parent pid %d is gone: stopping", pid)
+            stop.set()
+            return
+        except PermissionError:
+            pass  # alive, someone else's
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m gyre_slurm.engines.embedded",
+                                description="Embedded rollout engine (tiny local model).")
+    p.add_argument("--model-dir", required=True, type=Path)
+    p.add_argument("--host", required=True, help="loopback address to bind (127.x.y.z)")
+    p.add_argument("--port", type=int, default=0, help="0: pick a free port")
+    p.add_argument("--weights", required=True, type=Path, help="weights dir of --version")
+    p.add_argument("--version", required=True, type=int, help="policy version of --weights")
+    p.add_argument("--secret-file", required=True, type=Path)
+    p.add_argument("--ready-file", type=Path, help="written (JSON) once serving")
+    p.add_argument("--model-name", default="gyre-policy")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--parent-pid", type=int, help="stop when this process is gone")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(args))
+    except UserError as exc:
+        log.error("%s", exc)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Which rollout server serves which run: affinity, draining, waiting for a server.
+
+Rules:
+- A run keeps the server it was given (its prefix cache lives there) until that server
+  drains or is removed; then its NEXT call goes to another server (migration).
+- A new (or migrating) run goes to the non-draining server with the fewest runs, ties
+  to the lowest id; a server holding `capacity` runs or more gets one only when every
+  server does.
+- With no non-draining server, a call waits (the coordinator may add one) up to
+  `wait_s`, then `NoServer`.
+- `remove` only a draining server with no call in flight; its runs lose their affinity.
+All methods run on the event loop thread (no locks needed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class NoServer(RuntimeError):
+    """No rollout server became available in time."""
+
+
+@dataclass
+class ServerState:
+    server_id: str
+    client: Any  # an EngineClient
+    capacity: int
+    draining: bool = False
+    runs: set[str] = field(default_factory=set)
+    in_flight: int = 0
+
+
+class Router:
+    def __init__(self) -> None:
+        self.servers: dict[str, ServerState] = {}
+        self.affinity: dict[str, str] = {}  # run_id -> server_id
+        self._changed = asyncio.Event()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def add(self, server_id: str, client: Any, capacity: int) -> None:
+        if server_id in self.servers:
+            raise ValueError(f"server {server_id!r} is already routed to")
+        if capacity < 1:
+            raise ValueError(f"server {server_id!r}: capacity must be >= 1, got {capacity}")
+        self.servers[server_id] = ServerState(server_id, client, capacity)
+        log.info("server %s added (capacity %d)", server_id, capacity)
+        self._notify()
+
+    def drain(self, server_id: str) -> None:
+        self._get(server_id).draining = True
+        log.info("server %s draining (%d runs move at their next call)", server_id,
+                 len(self.servers[server_id].runs))
+
+    def remove(self, server_id: str) -> None:
+        state = self._get(server_id)
+        if not state.draining:
+            raise RuntimeError(f"server {server_id!r} is not drained: drain_server first")
+        if state.in_flight:
+            raise RuntimeError(f"server {server_id!r} has {state.in_flight} calls in "
+                               "flight: remove it once they are done")
+        for run_id in state.runs:
+            self.affinity.pop(run_id, None)
+        del self.servers[server_id]
+        log.info("server %s removed", server_id)
+
+    def end_run(self, run_id: str) -> None:
+        server_id = self.affinity.pop(run_id, None)
+        if server_id is not None and server_id in self.servers:
+            self.servers[server_id].runs.discard(run_id)
+
+    def load(self) -> dict[str, dict[str, Any]]:
+        return {sid: {"runs": len(s.runs), "in_flight": s.in_flight, "draining": s.draining}
+                for sid, s in sorted(self.servers.items())}
+
+    def _get(self, server_id: str) -> ServerState:
+        try:
+            return self.servers[server_id]
+        except KeyError:
+            raise KeyError(f"no server {server_id!r} (known: {sorted(self.servers)})") from None
+
+    def _pick(self, run_id: str) -> ServerState | None:
+        current = self.servers.get(self.affinity.get(run_id, ""))
+        if current is not None and not current.draining:
+            return current
+        open_ = [s for s in self.servers.values() if not s.draining]
+        if not open_:
+            return None
+        best = min(open_, key=lambda s: (len(s.runs) >= s.capacity, len(s.runs), s.server_id))
+        if current is not None:
+            current.runs.discard(run_id)
+            log.info("run %s migrates from draining server %s to %s", run_id,
+                     current.server_id, best.server_id)
+        best.runs.add(run_id)
+        self.affinity[run_id] = best.server_id
+        return best
+
+    async def acquire(self, run_id: str, *, wait_s: float) -> ServerState:
+        """The run's server, with one more call in flight (call `release` after)."""
+        deadline = time.monotonic() + wait_s
+        while (state := self._pick(run_id)) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise NoServer(f"no rollout server available for run {run_id!r} after "
+                               f"waiting {wait_s:g} s")
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+        state.in_flight += 1
+        return state
+
+    def release(self, state: ServerState) -> None:
+        state.in_flight -= 1

@@ -1,0 +1,246 @@
+"""The gateway in this process, in front of two real engine processes on loopback."""
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from gyre_slurm.engines import EngineClient, start_engine, write_secret
+from gyre_slurm.gateway import Gateway
+from gyre_slurm.models import tiny
+from gyre_slurm.traj.delta import decode_run
+from gyre_slurm.traj.store import CallStoreWriter, load_store
+
+HOST = "127.0.0.1"
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+HELLO = [{"role": "system", "content": "you are a test"}, {"role": "user", "content": "hi fox"}]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("gw-engines")
+    model_dir = tiny.make_model_dir(run_dir / "model", max_positions=512)
+    tiny.save_weights(tiny.new_model(model_dir, seed=0), tiny.weights_dir(run_dir, 0))
+    secret = write_secret(run_dir / "engine.secret")
+    procs = []
+    try:
+        for i in range(2):
+            procs.append(start_engine(
+                model_dir=model_dir, host=HOST, weights_dir=tiny.weights_dir(run_dir, 0),
+                version=0, secret_file=run_dir / "engine.secret",
+                log_path=run_dir / f"engine{i}.log", ready_timeout_s=60))
+        yield {"urls": [p.base_url for p in procs], "secret": secret, "model_dir": model_dir}
+    finally:
+        for p in procs:
+            p.stop(timeout_s=10)
+
+
+def run_gateway(engines, run_dir, fn, *, servers=("s0", "s1"), wait_s=10.0, timeout_s=40):
+    """Start a gateway with `servers` (ids -> the module's engines), run `fn(gw, http,
+    base)`, stop everything; `fn`'s result."""
+    async def main():
+        writer = CallStoreWriter(run_dir, "gateway")
+        gw = Gateway(model_dir=engines["model_dir"], call_writer=writer, api_key=KEY,
+                     wait_for_server_s=wait_s, default_max_tokens=8)
+        clients = [EngineClient(url, engines["secret"]) for url in engines["urls"]]
+        port = await gw.start(HOST, 0)
+        try:
+            for sid, client in zip(servers, clients):
+                gw.add_server(sid, client, capacity=4)
+            async with aiohttp.ClientSession(headers=AUTH) as http:
+                return await asyncio.wait_for(fn(gw, http, f"http://{HOST}:{port}"), timeout_s)
+        finally:
+            await gw.stop()
+            for c in clients:
+                await c.close()
+            writer.close()
+    return asyncio.run(main())
+
+
+async def chat(http, base, run_id, messages=HELLO, **kw):
+    body = {"model": "gyre-policy", "messages": messages, "max_tokens": 8, **kw}
+    async with http.post(f"{base}/runs/{run_id}/v1/chat/completions", json=body) as r:
+        return r.status, await r.json()
+
+
+def records(run_dir, run_id):
+    loaded = load_store(run_dir)
+    assert not loaded.errors
+    return list(decode_run(loaded.runs[run_id]))
+
+
+def test_chat_completion_recorded(engines, tmp_path):
+    tok = tiny.load_tokenizer(engines["model_dir"])
+    stop_ids = [tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id]
+
+    async def go(gw, http, base):
+        first = await chat(http, base, "r1", temperature=0, logprobs=True)
+        follow = HELLO + [{"role": "assistant", "content": first[1]["choices"][0]["message"]
+                           ["content"]}, {"role": "user", "content": "and the dog"}]
+        second = await chat(http, base, "r1", follow, temperature=0.8, seed=7,
+                            max_completion_tokens=5)
+        async with EngineClient(engines["urls"][0], engines["secret"]) as direct:
+            ref = await direct.generate(tiny.chat_prompt_ids(tok, HELLO), max_tokens=8,
+                                        temperature=0, stop_token_ids=stop_ids)
+        return first, second, follow, ref, gw.calls_of("r1")
+    first, second, follow, ref, ncalls = run_gateway(engines, tmp_path, go)
+    assert first[0] == 200 and second[0] == 200
+    body = first[1]
+    assert body["object"] == "chat.completion" and body["model"] == "gyre-policy"
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert choice["finish_reason"] in ("stop", "length")
+    assert body["usage"]["prompt_tokens"] == len(tiny.chat_prompt_ids(tok, HELLO))
+    recs = records(tmp_path, "r1")
+    assert ncalls == 2 and [r.call for r in recs] == [0, 1]
+    assert recs[0].prompt_ids.tolist() == tiny.chat_prompt_ids(tok, HELLO)
+    assert recs[1].prompt_ids.tolist() == tiny.chat_prompt_ids(tok, follow)
+    assert recs[0].output_ids.tolist() == ref["output_ids"]
+    assert recs[0].output_logprobs.tolist() == pytest.approx(ref["output_logprobs"], abs=1e-6)
+    content = choice["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == pytest.approx(ref["output_logprobs"], abs=1e-6)
+    assert choice["message"]["content"] == tok.decode(ref["output_ids"], skip_special_tokens=True)
+    assert body["usage"]["completion_tokens"] == len(ref["output_ids"])
+    assert len(recs[1].output_ids) <= 5 and recs[1].policy_version == 0
+    assert recs[0].t_start <= recs[0].t_end <= recs[1].t_start
+
+
+def test_completions_and_models(engines, tmp_path):
+    async def go(gw, http, base):
+        url = f"{base}/runs/c1/v1"
+        async with http.post(url + "/completions",
+                             json={"prompt": [3, 10, 20], "max_tokens": 4, "temperature": 0,
+                                   "logprobs": 0}) as r:
+            ids = (r.status, await r.json())
+        async with http.post(url + "/completions",
+                             json={"prompt": "the quick brown", "max_tokens": 3}) as r:
+            text = (r.status, await r.json())
+        async with http.get(url + "/models") as r:
+            models = (r.status, await r.json())
+        return ids, text, models
+    ids, text, models = run_gateway(engines, tmp_path, go)
+    assert ids[0] == 200 and ids[1]["object"] == "text_completion"
+    assert len(ids[1]["choices"][0]["logprobs"]["token_logprobs"]) == \
+        ids[1]["usage"]["completion_tokens"]
+    assert text[0] == 200 and text[1]["usage"]["completion_tokens"] <= 3
+    assert models == (200, {"object": "list", "data": [
+        {"id": "gyre-policy", "object": "model", "created": models[1]["data"][0]["created"],
+         "owned_by": "gyre"}]})
+    recs = records(tmp_path, "c1")
+    assert recs[0].prompt_ids.tolist() == [3, 10, 20]
+
+
+def test_affinity_drain_migrate_remove(engines, tmp_path):
+    async def go(gw, http, base):
+        servers = {}
+        for run_id in ("a", "b", "a", "b", "a"):
+            status, body = await chat(http, base, run_id, max_tokens=2)
+            assert status == 200
+            servers.setdefault(run_id, []).append(body["gyre"]["server"])
+        before = gw.server_load()
+        gw.drain_server("s0")
+        load_drained = gw.server_load()
+        moved = (await chat(http, base, "a", max_tokens=2))[1]["gyre"]["server"]
+        fresh = (await chat(http, base, "c", max_tokens=2))[1]["gyre"]["server"]
+        with pytest.raises(RuntimeError, match="not drained"):
+            gw.remove_server("s1")
+        gw.remove_server("s0")
+        gw.end_run("b")
+        return servers, before, load_drained, moved, fresh, gw.server_load()
+    servers, before, drained, moved, fresh, after = run_gateway(engines, tmp_path, go)
+    assert servers == {"a": ["s0"] * 3, "b": ["s1"] * 2}
+    assert before == {"s0": {"runs": 1, "in_flight": 0, "draining": False},
+                      "s1": {"runs": 1, "in_flight": 0, "draining": False}}
+    assert drained["s0"] == {"runs": 1, "in_flight": 0, "draining": True}
+    assert moved == "s1" and fresh == "s1"
+    assert after == {"s1": {"runs": 2, "in_flight": 0, "draining": False}}
+    assert [r.call for r in records(tmp_path, "a")] == [0, 1, 2, 3]
+
+
+def test_remove_refused_while_in_flight(engines, tmp_path):
+    async def go(gw, http, base):
+        call = asyncio.create_task(chat(http, base, "long", max_tokens=300, temperature=1.0))
+        while gw.server_load()["s0"]["in_flight"] == 0:
+            await asyncio.sleep(0.005)
+        gw.drain_server("s0")
+        with pytest.raises(RuntimeError, match="in flight"):
+            gw.remove_server("s0")
+        status = (await call)[0]
+        gw.remove_server("s0")
+        return status, gw.server_load()
+    status, load = run_gateway(engines, tmp_path, go, servers=("s0",))
+    assert status == 200 and load == {}
+
+
+def test_no_server_503_then_waiting_call_gets_added_server(engines, tmp_path):
+    async def go(gw, http, base):
+        status, body = await chat(http, base, "w")
+        waiting = asyncio.create_task(chat(http, base, "w2"))
+        await asyncio.sleep(0.2)
+        gw.add_server("late", EngineClient(engines["urls"][1], engines["secret"]), 2)
+        late = await waiting
+        await gw.router.servers["late"].client.close()
+        return status, body, late
+    status, body, late = run_gateway(engines, tmp_path, go, servers=(), wait_s=1.0)
+    assert status == 503 and "no rollout server" in body["error"]["message"]
+    assert late[0] == 200 and late[1]["gyre"]["server"] == "late"
+
+
+def test_errors_keep_gateway_serving(engines, tmp_path):
+    async def go(gw, http, base):
+        url = f"{base}/runs/e/v1/chat/completions"
+        out = {}
+        async with aiohttp.ClientSession() as anon:
+            async with anon.post(url, json={"messages": HELLO}) as r:
+                out["nokey"] = r.status
+            async with anon.post(url, json={"messages": HELLO},
+                                 headers={"Authorization": "Bearer wrong"}) as r:
+                out["badkey"] = r.status
+        for name, data in [("badjson", b"{nope"), ("nomsg", b"{}"),
+                           ("big", b"[" + b"1," * (3 << 20) + b"1]")]:
+            async with http.post(url, data=data,
+                                 headers={"Content-Type": "application/json"}) as r:
+                out[name] = (r.status, (await r.json())["error"]["message"])
+        out["toolong"] = await chat(http, base, "e", [{"role": "user", "content": "fox " * 600}])
+        dead = EngineClient(f"http://{HOST}:9", "x")  # nothing listens there
+        gw.add_server("dead", dead, 1)
+        gw.drain_server("s0")
+        out["dead"] = await chat(http, base, "to-dead")  # fewest runs: "dead" (0 runs)
+        gw.drain_server("dead")
+        out["after"] = await chat(http, base, "to-dead")
+        await dead.close()
+        out["calls"] = gw.calls_of("to-dead"), gw.calls_of("e")
+        return out
+    out = run_gateway(engines, tmp_path, go)
+    assert out["nokey"] == 401 and out["badkey"] == 401
+    assert out["badjson"][0] == 400 and "JSON" in out["badjson"][1]
+    assert out["nomsg"][0] == 400 and "messages" in out["nomsg"][1]
+    assert out["big"][0] == 413
+    assert out["toolong"][0] == 400 and "positions" in out["toolong"][1]["error"]["message"]
+    assert out["dead"][0] == 502 and "'dead'" in out["dead"][1]["error"]["message"]
+    assert out["after"][0] == 200 and out["after"][1]["gyre"]["server"] == "s1"
+    assert out["calls"] == (1, 0)
+
+
+def test_concurrent_runs_balance_and_record(engines, tmp_path):
+    run_ids = [f"p{i}" for i in range(6)]
+
+    async def go(gw, http, base):
+        async def agent(run_id):
+            servers = []
+            for turn in range(2):
+                status, body = await chat(http, base, run_id, max_tokens=6, seed=turn)
+                assert status == 200, body
+                servers.append(body["gyre"]["server"])
+            return servers
+        placed = await asyncio.gather(*(agent(r) for r in run_ids))
+        return placed, gw.server_load(), [gw.calls_of(r) for r in run_ids]
+    placed, load, calls = run_gateway(engines, tmp_path, go)
+    assert all(len(set(p)) == 1 for p in placed)  # affinity under concurrency
+    assert load == {"s0": {"runs": 3, "in_flight": 0, "draining": False},
+                    "s1": {"runs": 3, "in_flight": 0, "draining": False}}
+    assert calls == [2] * 6
+    loaded = load_store(tmp_path)
+    assert not loaded.errors and sorted(loaded.runs) == run_ids
+    assert all([d.call for d in loaded.runs[r]] == [0, 1] for r in run_ids)
