@@ -1,0 +1,112 @@
+"""The environment interface that agent runs drive, a registry, and task sampling.
+
+Protocol (async, because a tool call takes wall time):
+
+    env = make_env("learnable", **params)          # any registered name
+    first = await env.reset(task_id=..., seed=...)  # the first observation: the instruction
+    res = await env.step(action)                    # StepResult(observation, reward, done, info)
+    ...                                             # until res.done
+    await env.close()
+
+`env.system_prompt` (a string, set by `reset` for the task) is the system message an
+agent puts first. `step` after `done` raises `RuntimeError`. The reward of a step is
+the reward earned by that step; environments here pay only on the last step, so the
+run's reward is the `reward` of the final `StepResult`.
+
+To plug in an environment: a class with `name`, `system_prompt`, `reset`, `step` and
+`close`, registered with `register_env(name, factory)`, where `factory(**params)`
+returns a fresh instance (one instance serves one run at a time).
+
+Tasks: `tasks_for_step(env_name, step=, num_prompts=, seed=)` gives the prompts of a
+training step as `TaskSpec(task_id, seed)`; it is a pure function of its arguments
+(blake2b of (env, seed, step, index), not Python's salted `hash`), so every process
+that asks gets the same list. `task_id` is "<env>/<task seed>"; with `pool_size` the
+task seeds are drawn from 0..pool_size-1 (so tasks repeat across steps).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from gyre_slurm.errors import UserError
+
+
+@dataclass(frozen=True)
+class StepResult:
+    observation: str
+    reward: float
+    done: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    task_id: str
+    seed: int
+
+
+@runtime_checkable
+class Environment(Protocol):
+    name: str
+    system_prompt: str
+
+    async def reset(self, *, task_id: str, seed: int) -> str: ...
+
+    async def step(self, action: str) -> StepResult: ...
+
+    async def close(self) -> None: ...
+
+
+_REGISTRY: dict[str, Callable[..., Environment]] = {}
+
+
+def register_env(name: str, factory: Callable[..., Environment]) -> None:
+    """Register `factory(**params) -> Environment` under `name` (a later one replaces it)."""
+    _REGISTRY[name] = factory
+
+
+def env_names() -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def make_env(name: str, **params: Any) -> Environment:
+    """A fresh environment; `UserError` for an unknown name or parameter."""
+    _load_builtin()
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise UserError(f"unknown environment {name!r}; known: {', '.join(sorted(_REGISTRY))}")
+    try:
+        return factory(**params)
+    except TypeError as exc:
+        raise UserError(f"bad parameters for environment {name!r}: {exc}") from exc
+
+
+def _load_builtin() -> None:
+    # Imported here: the built-in environments register themselves on import.
+    from gyre_slurm.envs import learnable, longhorizon  # noqa: F401
+
+
+def stable_int(*parts: object, bits: int = 31) -> int:
+    """A deterministic non-negative integer from `parts` (same in every process)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % (1 << bits)
+
+
+def tasks_for_step(env_name: str, *, step: int, num_prompts: int, seed: int,
+                   pool_size: int | None = None) -> list[TaskSpec]:
+    """The `num_prompts` tasks of training step `step` (deterministic)."""
+    if num_prompts < 0 or step < 0:
+        raise UserError("step and num_prompts must be >= 0")
+    if pool_size is not None and pool_size < 1:
+        raise UserError("pool_size must be >= 1")
+    out = []
+    for i in range(num_prompts):
+        task_seed = stable_int(env_name, seed, step, i)
+        if pool_size is not None:
+            task_seed %= pool_size
+        out.append(TaskSpec(task_id=f"{env_name}/{task_seed}", seed=task_seed))
+    return out
