@@ -96,6 +96,7 @@ class TrainerWorker:
             p.grad = None
         self.model = self.optimizer = self._grads = None
         self._params = []
+        self.version = 0
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -120,16 +121,17 @@ class TrainerWorker:
         `init_weights` (a safetensors weights dir) and `optimizer_state` (a file written
         by `save_checkpoint`, or a torch-saved optimizer state dict) are used only by a
         member that has no model yet. Returns {"destroy_s", "init_s", "broadcast_s",
-        "build_s"}."""
+        "build_s"} (build_s is 0.0 for a member that kept its model)."""
         if not 0 <= src_rank < spec.world_size:
             raise ValueError(f"src_rank {src_rank} outside a world of {spec.world_size}")
         self.spec, self.rank = spec, rank
-        t0 = time.perf_counter()
+        build_s = 0.0
         if self.model is None:
+            t0 = time.perf_counter()
             self._build(None if init_weights is None else Path(init_weights))
             if optimizer_state is not None:
                 self._load_optimizer(Path(optimizer_state))
-        build_s = time.perf_counter() - t0
+            build_s = time.perf_counter() - t0
         times = gdist.join_world(spec, rank, timeout_s=timeout_s)
         t0 = time.perf_counter()
         if spec.world_size > 1:
