@@ -114,7 +114,8 @@ def test_mask_zero_tokens_contribute_nothing():
     # logits at t-1 only predict token t: scramble those whose token t is not trained
     for b, t in zip(*np.nonzero(off)):
         if t >= 1:
-            logits2[b, t - 1] = np.random.default_rng(int(t)).normal(scale=5.0, size=logits.shape[-1])
+            scramble = np.random.default_rng(int(t))
+            logits2[b, t - 1] = scramble.normal(scale=5.0, size=logits.shape[-1])
     logits2[:, -1] = 99.0  # the last position predicts nothing
     loss, grad, _ = run_loss(logits2, ids2, mask, old2, adv, num_step_tokens=20)
     assert loss == base_loss

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -61,11 +62,19 @@ def default_backend() -> str:
 def host_store(host: str, port: int = 0, *, timeout_s: float = STORE_TIMEOUT_S):
     """Host the job's TCPStore on `host:port` (0: any free port). Returns (store, port).
 
-    Keep the returned store alive for as long as any world may be built."""
+    The listening socket is bound here, to `host` only, and handed to the store (the
+    store's own server would listen on every interface). Keep the returned store alive
+    for as long as any world may be built."""
     import torch.distributed as dist
 
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(addr)  # TCPStore alone would listen on every interface
+    sock.listen(1024)
+    port = sock.getsockname()[1]
     store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
+                          timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.detach())
     logger.info("hosting the rendezvous store on %s:%d", host, store.port)
     return store, int(store.port)
 

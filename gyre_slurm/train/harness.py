@@ -10,16 +10,12 @@ after, since collectives block until every member arrives.
 
 from __future__ import annotations
 
-import logging
 import multiprocessing as mp
 import os
 import time
 import traceback
 from collections.abc import Mapping
 from typing import Any
-
-logger = logging.getLogger(__name__)
-
 
 def _all_reduce_sum(worker, *, value: float) -> float:
     from gyre_slurm.train import dist as gdist

@@ -197,6 +197,8 @@ class TrainerWorker:
         loss, s = policy_loss(logits, rows["token_ids"], rows["loss_mask"], rows["logprobs"],
                               rows["advantages"], num_step_tokens=num_step_tokens)
         loss.backward()
+        if self._params[0].grad.data_ptr() != self._grads.data_ptr():
+            raise RuntimeError("autograd replaced the flat gradient buffer")
         stats.update(tokens=s["tokens"], loss_sum=s["loss_sum"])
         if s["tokens"]:
             stats.update(ratio_mean=s["ratio_sum"] / s["tokens"],
