@@ -66,11 +66,11 @@ class TrainerWorker:
 
     # ---- building and freeing -------------------------------------------------------
 
-    def _build(self, init_weights: Path | None) -> None:
+    def _build(self, init_weights: Path | None, *, backend: str | None = None) -> None:
         from gyre_slurm.models.tiny import load_weights, new_model
 
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if torch.cuda.is_available() and (self.spec is None or self.spec.backend == "nccl") \
+        on_gpu = torch.cuda.is_available() and backend in (None, "nccl")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu \
             else torch.device("cpu")
         model = new_model(self.model_dir, seed=self.seed)
         if init_weights is not None:
@@ -124,15 +124,17 @@ class TrainerWorker:
         "build_s"} (build_s is 0.0 for a member that kept its model)."""
         if not 0 <= src_rank < spec.world_size:
             raise ValueError(f"src_rank {src_rank} outside a world of {spec.world_size}")
-        self.spec, self.rank = spec, rank
+        self.spec, self.rank = None, None  # the old world ends here, whatever happens next
         build_s = 0.0
         if self.model is None:
             t0 = time.perf_counter()
-            self._build(None if init_weights is None else Path(init_weights))
+            self._build(None if init_weights is None else Path(init_weights),
+                        backend=spec.backend)
             if optimizer_state is not None:
                 self._load_optimizer(Path(optimizer_state))
             build_s = time.perf_counter() - t0
         times = gdist.join_world(spec, rank, timeout_s=timeout_s)
+        self.spec, self.rank = spec, rank
         t0 = time.perf_counter()
         if spec.world_size > 1:
             self._broadcast_state(src_rank)
