@@ -1,0 +1,149 @@
+"""Process groups, one per world "generation", over one long-lived TCPStore.
+
+Protocol: the coordinator hosts a single `TCPStore` for the whole job (`host_store`).
+Every new training world gets a new generation number N and its members rendezvous
+through `PrefixStore(f"gen{N}/", client)` on that store; the default process group is
+destroyed and re-created at every handoff (`join_world`). A prefix is never reused, so
+no key left by an old group can be read by a new one: re-initialising through
+`init_method="env://"` instead reuses old keys, and then init "succeeds" and the first
+collective hangs. Two disjoint worlds may exist at once, each with its own generation.
+
+This module is the only place that creates or destroys process groups.
+
+Gloo binds its sockets to the address the host name resolves to, or to the interface
+named by `GLOO_SOCKET_IFNAME`. When the store is on a loopback address (local runs,
+tests) and `GLOO_SOCKET_IFNAME` is unset, `join_world` sets it to `lo` so that nothing
+listens beyond loopback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+logger = logging.getLogger(__name__)
+
+STORE_TIMEOUT_S = 600.0
+_clients: dict[tuple[str, int], object] = {}
+
+
+@dataclass(frozen=True)
+class WorldSpec:
+    """One training world: who rendezvous where, and with which backend."""
+
+    generation: int
+    world_size: int
+    store_host: str
+    store_port: int
+    backend: str = "gloo"
+
+    def __post_init__(self) -> None:
+        if self.generation < 0 or self.world_size < 1:
+            raise ValueError(f"bad world spec: {self}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
+
+    @property
+    def prefix(self) -> str:
+        return f"gen{self.generation}/"
+
+
+def default_backend() -> str:
+    """`nccl` where CUDA is available, else `gloo`."""
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def host_store(host: str, port: int = 0, *, timeout_s: float = STORE_TIMEOUT_S):
+    """Host the job's TCPStore on `host:port` (0: any free port). Returns (store, port).
+
+    The listening socket is bound here, to `host` only, and handed to the store (the
+    store's own server would listen on every interface). Keep the returned store alive
+    for as long as any world may be built."""
+    import torch.distributed as dist
+
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(addr)  # TCPStore alone would listen on every interface
+    sock.listen(1024)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.detach())
+    logger.info("hosting the rendezvous store on %s:%d", host, store.port)
+    return store, int(store.port)
+
+
+def _client(host: str, port: int, timeout_s: float):
+    import torch.distributed as dist
+
+    key = (host, port)
+    if key not in _clients:
+        _clients[key] = dist.TCPStore(host, port, is_master=False,
+                                      timeout=timedelta(seconds=timeout_s))
+    return _clients[key]
+
+
+def _pin_loopback(host: str) -> None:
+    if host.startswith("127.") and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+
+
+def current_world() -> tuple[int, int] | None:
+    """(rank, world_size) of the default group, or None when there is none."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return None
+
+
+def leave_world() -> float:
+    """Destroy the default process group, if any. Returns the seconds it took."""
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    return time.perf_counter() - t0
+
+
+def join_world(spec: WorldSpec, rank: int, *, timeout_s: float = 120.0) -> dict[str, float]:
+    """Leave the current world (if any) and join `spec` as `rank`.
+
+    Blocks until all `spec.world_size` members have joined. Returns {"destroy_s", "init_s"}."""
+    import torch
+    import torch.distributed as dist
+
+    if not 0 <= rank < spec.world_size:
+        raise ValueError(f"rank {rank} outside a world of {spec.world_size}")
+    destroy_s = leave_world()
+    t0 = time.perf_counter()
+    if spec.backend == "gloo":
+        _pin_loopback(spec.store_host)
+    store = dist.PrefixStore(spec.prefix, _client(spec.store_host, spec.store_port, timeout_s))
+    kwargs = {}
+    if spec.backend == "nccl":
+        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world_size,
+                            timeout=timedelta(seconds=timeout_s), **kwargs)
+    init_s = time.perf_counter() - t0
+    logger.info("joined generation %d as rank %d/%d in %.3f s", spec.generation, rank,
+                spec.world_size, init_s)
+    return {"destroy_s": destroy_s, "init_s": init_s}
+
+
+def all_reduce_sum(value: float) -> float:
+    """Sum of `value` over the current world (a probe that the group works)."""
+    import torch
+    import torch.distributed as dist
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item())

@@ -1,0 +1,280 @@
+"""`TrainerWorker`: one per node, long-lived, a data-parallel training rank that survives
+handoffs (the node agent holds it; model and optimizer stay in memory across rebuilds
+for members that stay).
+
+Protocol of a rebuild (the coordinator drives it; micro-batch boundaries are the only
+places a world changes):
+
+1. every member of the OLD world calls `flush(keep_rank=K)`: all-reduce(sum) of the
+   locally accumulated gradients, kept on old rank K only (zero elsewhere); K must be a
+   member that stays (`layout.plan_handoff(...).keep_old_rank`);
+2. members that go away call `leave()` (group destroyed, model and optimizer freed);
+3. every member of the NEW world calls `join(spec, rank, src_rank=S, ...)`: the old group
+   is destroyed, the new generation's group is created, a member without a model builds
+   one, then rank S (a member of the old world) broadcasts model parameters, AdamW state
+   (exp_avg, exp_avg_sq, step) and the policy version to all. Gradients are NOT
+   broadcast: members keep theirs and newcomers start at zero, so the sum of local
+   gradients over the world stays the step's accumulated gradient.
+
+Invariant: within a world all members hold bit-identical parameters and optimizer
+state; the sum over members of their local gradients is the gradient accumulated since
+the last optimizer step. `train_microbatch` adds this rank's shard (trajectories i with
+i % world_size == rank) without communicating; `optimizer_step` all-reduces (sum),
+clips, steps AdamW and zeroes. The loss is normalised by the step's global token count
+(see `loss`), so sums are exact, never averages.
+
+Gradients live in one flat buffer (each parameter's `.grad` is a view into it) so that a
+flush or a step is a single all-reduce. Checkpoints (`save_checkpoint`, rank 0 only,
+temp file then rename) hold model, optimizer, version and RNG; they are taken between
+optimizer steps, when gradients are zero.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gyre_slurm.train import dist as gdist
+from gyre_slurm.train.dist import WorldSpec
+from gyre_slurm.train.loss import policy_loss, rows_from_trajectories
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerWorker:
+    def __init__(self, *, model_dir: Path, node_index: int, lr: float = 1e-3, seed: int = 0,
+                 grad_clip: float = 1.0):
+        self.model_dir = Path(model_dir)
+        self.node_index = node_index
+        self.lr, self.seed, self.grad_clip = lr, seed, grad_clip
+        self.version = 0
+        self.spec: WorldSpec | None = None
+        self.rank: int | None = None
+        self.model = None
+        self.optimizer: torch.optim.AdamW | None = None
+        self._params: list[torch.nn.Parameter] = []
+        self._grads: torch.Tensor | None = None
+        self.device = torch.device("cpu")
+
+    # ---- building and freeing -------------------------------------------------------
+
+    def _build(self, init_weights: Path | None, *, backend: str | None = None) -> None:
+        from gyre_slurm.models.tiny import load_weights, new_model
+
+        on_gpu = torch.cuda.is_available() and backend in (None, "nccl")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu \
+            else torch.device("cpu")
+        model = new_model(self.model_dir, seed=self.seed)
+        if init_weights is not None:
+            load_weights(model, init_weights)
+        self.model = model.to(self.device).train()
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        if len({p.dtype for p in self._params}) != 1:
+            raise TypeError("all trained parameters must share one dtype")
+        total = sum(p.numel() for p in self._params)
+        self._grads = torch.zeros(total, dtype=self._params[0].dtype, device=self.device)
+        offset = 0
+        for p in self._params:
+            p.grad = self._grads[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.optimizer = torch.optim.AdamW(self._params, lr=self.lr)
+        for p in self._params:  # eager state, so that every member has the same layout
+            self.optimizer.state[p].update(
+                step=torch.tensor(0.0, dtype=torch.float32),
+                exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+
+    def _free(self) -> None:
+        for p in self._params:
+            p.grad = None
+        self.model = self.optimizer = self._grads = None
+        self._params = []
+        self.version = 0
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _load_optimizer(self, path: Path) -> None:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if "optimizer" in state:
+            self.version = int(state.get("version", self.version))
+            state = state["optimizer"]
+        self.optimizer.load_state_dict(state)
+
+    # ---- world membership -----------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size if self.spec is not None else 1
+
+    def join(self, spec: WorldSpec, rank: int, *, src_rank: int,
+             init_weights: Path | None = None, optimizer_state: Path | None = None,
+             timeout_s: float = 120.0) -> dict[str, float]:
+        """Join world `spec` as `rank`; rank `src_rank` broadcasts its state to all.
+
+        `init_weights` (a safetensors weights dir) and `optimizer_state` (a file written
+        by `save_checkpoint`, or a torch-saved optimizer state dict) are used only by a
+        member that has no model yet. Returns {"destroy_s", "init_s", "broadcast_s",
+        "build_s"} (build_s is 0.0 for a member that kept its model)."""
+        if not 0 <= src_rank < spec.world_size:
+            raise ValueError(f"src_rank {src_rank} outside a world of {spec.world_size}")
+        self.spec, self.rank = None, None  # the old world ends here, whatever happens next
+        build_s = 0.0
+        if self.model is None:
+            t0 = time.perf_counter()
+            self._build(None if init_weights is None else Path(init_weights),
+                        backend=spec.backend)
+            if optimizer_state is not None:
+                self._load_optimizer(Path(optimizer_state))
+            build_s = time.perf_counter() - t0
+        times = gdist.join_world(spec, rank, timeout_s=timeout_s)
+        self.spec, self.rank = spec, rank
+        t0 = time.perf_counter()
+        if spec.world_size > 1:
+            self._broadcast_state(src_rank)
+        times.update(broadcast_s=time.perf_counter() - t0, build_s=build_s)
+        return times
+
+    def _optimizer_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        states = [self.optimizer.state[p] for p in self._params]
+        return ([s["exp_avg"] for s in states] + [s["exp_avg_sq"] for s in states],
+                [s["step"] for s in states])
+
+    def _broadcast_state(self, src_rank: int) -> None:
+        moments, steps = self._optimizer_tensors()
+        meta = torch.tensor([float(self.version)] + [float(s) for s in steps],
+                            dtype=torch.float64, device=self.device)
+        dist.broadcast(meta, src_rank)
+        tensors = [p.data for p in self._params] + moments
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.broadcast(flat, src_rank)
+        if self.rank == src_rank:
+            return
+        self.version = int(meta[0].item())
+        for s, value in zip(steps, meta[1:].tolist()):
+            s.fill_(value)
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def flush(self, *, keep_rank: int = 0) -> None:
+        """Sum the accumulated gradients over the world onto `keep_rank`; zero elsewhere."""
+        if self.world_size > 1:
+            dist.all_reduce(self._grads)
+            if self.rank != keep_rank:
+                self._grads.zero_()
+
+    def leave(self) -> dict[str, float]:
+        """Destroy the group and free the model and optimizer (a rejoin gets them back by
+        broadcast). Unflushed gradients are lost: call `flush` first."""
+        if self._grads is not None and bool(self._grads.any()):
+            logger.warning("node %d leaves with unflushed gradients", self.node_index)
+        destroy_s = gdist.leave_world()
+        self._free()
+        self.spec, self.rank = None, None
+        return {"destroy_s": destroy_s}
+
+    # ---- training ---------------------------------------------------------------------
+
+    def train_microbatch(self, mb: list, *, num_step_tokens: int) -> dict[str, Any]:
+        """Forward/backward this rank's shard of the micro-batch; gradients accumulate."""
+        rank = self.rank or 0
+        shard = [t.to_json() if hasattr(t, "to_json") else t
+                 for t in mb[rank::self.world_size]]
+        stats = {"trajectories": len(shard), "tokens": 0, "loss_sum": 0.0,
+                 "ratio_mean": None, "clip_frac": None}
+        if not shard:
+            return stats
+        pad_id = self.model.config.pad_token_id or 0
+        rows = rows_from_trajectories(shard, pad_id=pad_id, device=self.device)
+        logits = self.model(input_ids=rows["token_ids"], use_cache=False).logits
+        loss, s = policy_loss(logits, rows["token_ids"], rows["loss_mask"], rows["logprobs"],
+                              rows["advantages"], num_step_tokens=num_step_tokens)
+        loss.backward()
+        if self._params[0].grad.data_ptr() != self._grads.data_ptr():
+            raise RuntimeError("autograd replaced the flat gradient buffer")
+        stats.update(tokens=s["tokens"], loss_sum=s["loss_sum"])
+        if s["tokens"]:
+            stats.update(ratio_mean=s["ratio_sum"] / s["tokens"],
+                         clip_frac=s["clipped"] / s["tokens"])
+        return stats
+
+    def optimizer_step(self, *, publish_dir: Path | None = None) -> dict[str, Any]:
+        """All-reduce(sum) gradients, clip, AdamW step, zero; rank 0 publishes weights."""
+        t0 = time.perf_counter()
+        if self.world_size > 1:
+            dist.all_reduce(self._grads)
+        t1 = time.perf_counter()
+        norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.grad_clip))
+        skipped = not math.isfinite(norm)
+        if skipped:
+            logger.warning("non-finite gradient norm: step skipped, gradients dropped")
+        else:
+            self.optimizer.step()
+            self.version += 1
+        self._grads.zero_()
+        t2 = time.perf_counter()
+        if publish_dir is not None and (self.rank or 0) == 0 and not skipped:
+            from gyre_slurm.models.tiny import save_weights
+
+            save_weights(self.model, publish_dir)
+        return {"version": self.version, "grad_norm": norm, "skipped": skipped,
+                "allreduce_s": t1 - t0, "step_s": t2 - t1,
+                "publish_s": time.perf_counter() - t2}
+
+    # ---- state, digests, checkpoints -------------------------------------------------------
+
+    def digests(self) -> dict[str, Any]:
+        """sha256 of parameters + optimizer state + version ("state") and of the local
+        gradients ("grads"): equal "state" digests mean bit-identical members."""
+        h = hashlib.sha256(str(self.version).encode())
+        moments, steps = self._optimizer_tensors()
+        for t in [p.data for p in self._params] + moments + steps:
+            h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        g = hashlib.sha256(self._grads.cpu().numpy().tobytes())
+        return {"state": h.hexdigest(), "grads": g.hexdigest(), "version": self.version}
+
+    def flat_params(self):
+        """All parameters as one float64 numpy vector (tests, small models)."""
+        return torch.cat([p.detach().reshape(-1).double().cpu() for p in self._params]).numpy()
+
+    def state_dict(self) -> dict[str, Any]:
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "version": self.version, "rng": rng}
+
+    def save_checkpoint(self, path: Path) -> Path | None:
+        """Rank 0 (or a worker outside any world) writes `path` atomically; others no-op."""
+        if (self.rank or 0) != 0:
+            return None
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        torch.save(self.state_dict(), tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return path
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore model, optimizer, version and RNG (builds the model if needed)."""
+        if self.model is None:
+            self._build(None)
+        state = torch.load(Path(path), map_location="cpu", weights_only=True)
+        with torch.no_grad():
+            self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        torch.set_rng_state(state["rng"]["torch"].cpu())
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["rng"]["cuda"].cpu())
+        self._grads.zero_()

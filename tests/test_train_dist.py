@@ -1,0 +1,81 @@
+"""The rendezvous store and the worlds listen on loopback only; world specs are checked."""
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from gyre_slurm.models.tiny import make_model_dir
+from gyre_slurm.train.dist import WorldSpec, host_store, join_world
+from gyre_slurm.train.harness import WorkerProcesses
+
+
+def listening(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of the TCP sockets `pid` listens on (IPv4 and IPv6)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                continue
+            hex_addr, hex_port = cols[1].split(":")
+            raw = bytes.fromhex(hex_addr)
+            if width == 8:
+                addr = socket.inet_ntop(socket.AF_INET, raw[::-1])
+            else:
+                words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+                addr = socket.inet_ntop(socket.AF_INET6, words)
+            out.append((addr, int(hex_port, 16)))
+    return out
+
+
+def test_store_listens_on_the_given_loopback_address_only():
+    store, port = host_store("127.0.0.2")
+    try:
+        mine = [s for s in listening(os.getpid()) if s[1] == port]
+        assert mine == [("127.0.0.2", port)]
+        with socket.create_connection(("127.0.0.2", port), timeout=5):
+            pass
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        del store
+
+
+def test_world_members_listen_on_loopback_only(tmp_path):
+    model_dir = make_model_dir(tmp_path / "model", vocab_size=300, hidden_size=16,
+                               num_layers=1, num_heads=2, max_positions=32)
+    store, port = host_store("127.0.0.1")
+    with WorkerProcesses(2, model_dir=model_dir) as w:
+        spec = WorldSpec(1, 2, "127.0.0.1", port)
+        w.call({i: ("join", {"spec": spec, "rank": i, "src_rank": 0}) for i in range(2)},
+               timeout_s=60)
+        assert w.call_all("all_reduce_sum", value=2.0, timeout_s=60) == {0: 4.0, 1: 4.0}
+        sockets = [s for pid in w.pids for s in listening(pid)]
+        assert sockets  # gloo listens for its peers ...
+        assert all(addr.startswith("127.") for addr, _ in sockets), sockets  # ... on lo
+    del store
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(generation=-1, world_size=2), dict(generation=0, world_size=0),
+    dict(generation=0, world_size=1, backend="mpi"),
+])
+def test_bad_world_specs(kwargs):
+    with pytest.raises(ValueError):
+        WorldSpec(store_host="127.0.0.1", store_port=1, **kwargs)
+
+
+def test_rank_outside_the_world_is_refused_before_any_rendezvous():
+    with pytest.raises(ValueError, match="outside"):
+        join_world(WorldSpec(0, 2, "127.0.0.1", 1), 2, timeout_s=1)
+    assert WorldSpec(7, 2, "127.0.0.1", 1).prefix == "gen7/"
