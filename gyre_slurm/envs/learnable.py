@@ -6,7 +6,9 @@ score is the fraction of its non-whitespace characters that are among those digi
 (0.0 for an action with none); for the digits 3 5 7: "357 53" -> 1.0, "3a" -> 0.5,
 "42" -> 0.0, "" -> 0.0. With `turns=2` the first reply is answered "Score: 0.50.
 Again: use only the digits 3 5 7." and the run's reward is the mean of the two
-scores. The reward is paid on the last step (earlier steps pay 0.0), in [0, 1].
+scores. The reward is paid on the last step (earlier steps pay 0.0), in [0, 1]. With
+`tool_mean_s > 0` each step first waits a log-normal "tool" time (heavy-tailed, capped
+at `tool_max_s`), so a batch's runs end at very different times, as long tasks do.
 
 Why it is learnable: the tiny model's 512-token vocabulary holds 159 number tokens
 (" 1" .. " 99", digit pairs), so a random policy already emits the allowed digits
@@ -28,6 +30,8 @@ prompt-blind policy can get).
 
 from __future__ import annotations
 
+import asyncio
+import math
 import random
 
 from gyre_slurm.envs.base import StepResult, register_env
@@ -58,7 +62,12 @@ def instruction(digits: str) -> str:
 class LearnableEnv:
     name = "learnable"
 
-    def __init__(self, *, num_digits: int = 5, turns: int = 1):
+    def __init__(self, *, num_digits: int = 5, turns: int = 1, tool_mean_s: float = 0.0,
+                 tool_sigma: float = 1.0, tool_max_s: float = 60.0):
+        if tool_mean_s < 0 or tool_sigma < 0 or tool_max_s <= 0:
+            raise UserError("learnable: tool_mean_s and tool_sigma must be >= 0, tool_max_s > 0")
+        self.tool_mean_s, self.tool_sigma, self.tool_max_s = tool_mean_s, tool_sigma, tool_max_s
+        self._rng = random.Random()  # tool latency: wall time is not reproducible anyway
         if not 1 <= num_digits <= 10:
             raise UserError("learnable: num_digits must be in 1..10")
         if turns not in (1, 2):
@@ -79,6 +88,7 @@ class LearnableEnv:
     async def step(self, action: str) -> StepResult:
         if self._done:
             raise RuntimeError("learnable: step() after the episode ended; call reset()")
+        await self._tool_time()
         s = score(action, self._digits)
         self._scores.append(s)
         info = {"turn": len(self._scores), "score": s}
@@ -88,6 +98,15 @@ class LearnableEnv:
         self._done = True
         reward = sum(self._scores) / len(self._scores)
         return StepResult("", reward, True, info)
+
+    async def _tool_time(self) -> None:
+        """Checking an action takes heavy-tailed wall time (log-normal with mean
+        `tool_mean_s`, capped at `tool_max_s`): the shape of long agent tasks, scaled
+        down, so that runs of a batch end at very different times."""
+        if self.tool_mean_s <= 0:
+            return
+        mu = math.log(self.tool_mean_s) - self.tool_sigma ** 2 / 2
+        await asyncio.sleep(min(self.tool_max_s, self._rng.lognormvariate(mu, self.tool_sigma)))
 
     async def close(self) -> None:
         self._done = True

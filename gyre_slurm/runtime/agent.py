@@ -63,6 +63,9 @@ class NodeAgent:
                                                         "pid": os.getpid()})
         log.info("node agent %d serving on %s", self.node_index, url)
         beat = asyncio.create_task(self.heartbeat())
+        # Import the trainer's libraries now, off the event loop, so that the first
+        # handoff to training does not pay for them.
+        asyncio.get_running_loop().run_in_executor(self.trainer_pool, self._worker)
         await self.stopping.wait()
         beat.cancel()
         await self.shutdown_engine()
@@ -153,12 +156,13 @@ class NodeAgent:
         spec = WorldSpec(generation=generation, world_size=world_size, store_host=store_host,
                          store_port=store_port, backend="gloo")
         worker = self._worker()
-        return await self._train(worker.join, spec, rank, src_rank=src_rank,
-                                 init_weights=Path(init_weights) if init_weights else None,
-                                 checkpoint=Path(checkpoint) if checkpoint else None)
+        times = await self._train(worker.join, spec, rank, src_rank=src_rank,
+                                  init_weights=Path(init_weights) if init_weights else None,
+                                  checkpoint=Path(checkpoint) if checkpoint else None)
+        return {**times, "version": worker.version}
 
-    async def cmd_flush(self) -> dict:
-        await self._train(self._worker().flush)
+    async def cmd_flush(self, *, keep_rank: int = 0) -> dict:
+        await self._train(self._worker().flush, keep_rank=keep_rank)
         return {}
 
     async def cmd_leave(self) -> dict:

@@ -110,7 +110,8 @@ class Coordinator:
                                 checkpoint=self.resume_state)
         self.rollouts = RolloutManager(cfg=self.cfg, rd=self.rd, book=self.book,
                                        gateway=self.gateway, gateway_url=self.gateway_url,
-                                       api_key=secret, on_ready=self.on_ready)
+                                       api_key=secret, on_ready=self.on_ready,
+                                       flush_calls=self.call_writer.flush)
 
     async def on_register(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -182,6 +183,10 @@ class Coordinator:
             await self.shutdown()
 
     async def shutdown(self) -> None:
+        handoffs = list(getattr(self, "handoff_tasks", ()))
+        for task in handoffs:
+            task.cancel()
+        await asyncio.gather(*handoffs, return_exceptions=True)
         if self.rollouts is not None:
             await self.rollouts.cancel_all()
         await asyncio.gather(*(a.post("/cmd/shutdown", timeout_s=5) for a in self.agents.values()),
@@ -202,11 +207,15 @@ class Coordinator:
         from gyre_slurm.runtime import handoff
 
         while not self.book.done():
+            if self.failure is not None:
+                raise self.failure
             self.rollouts.fill(self.capacity())
             decisions = [d for d in self.policy.decide(self.observe())
                          if d.cell_id not in self.busy_cells]
             for d in decisions:
-                self.rd.event("decision", **d.as_event(time.time() - self.t0))
+                fields = d.as_event(time.time() - self.t0)
+                fields.pop("kind")
+                self.rd.event("decision", **fields)
             if decisions:
                 handoff.start(self, decisions)
             await asyncio.sleep(self.cfg.runtime.policy_interval_s)
@@ -240,7 +249,8 @@ class Coordinator:
         self.train_rate.append(tokens / max(dt, 1e-6) / cells)
         self.book.trained(batch)
         self.rd.event("microbatch", step=step, index=index, runs=[t["run_id"] for t in batch],
-                      tokens=tokens, members=list(self.world.members), seconds=dt, **stats)
+                      tokens=tokens, members=list(self.world.members), seconds=dt,
+                      stats=stats)
         return True
 
     async def finish_step(self) -> None:
@@ -261,8 +271,7 @@ class Coordinator:
         self.rd.event("step", step=step, version=version, mean_reward=mean,
                       trajectories=state.trained, tokens=state.trained_tokens,
                       runs_ok=len(rewards), runs=len(state.runs),
-                      seconds=time.monotonic() - t0, **{k: v for k, v in stats.items()
-                                                        if isinstance(v, (int, float))})
+                      seconds=time.monotonic() - t0, stats=stats)
 
     def on_ready(self, trajectories: list[dict]) -> None:
         """A group became trainable (the training loop picks it up)."""

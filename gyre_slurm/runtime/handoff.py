@@ -1,7 +1,8 @@
 """Handoffs (DESIGN 6), executed for the coordinator, every phase timed into events.jsonl.
 
 rollout -> train: stop routing new runs to the cell's server (gateway drain); wait
-until its runs have moved at their next call and no call is in flight (`drain_s`);
+until no call is in flight on it — its runs move to another server at their next call
+— or, with the `wait` drain, until all its runs have ended (`drain_s`);
 release the engine (`engine_release_s`); rebuild the training world with the cell's
 nodes, which receive weights and optimizer state from a member that stays
 (`rebuild_s`, with the workers' own phases). train -> rollout: the training loop
@@ -30,15 +31,16 @@ def start(coord, decisions: list[Decision]) -> None:
         if group:
             cells = [d.cell_id for d in group]
             coord.busy_cells.update(cells)
-            task = asyncio.create_task(_guard(coord, fn, cells))
+            wait = any(d.drain == "wait" for d in group)
+            task = asyncio.create_task(_guard(coord, fn, cells, wait))
             coord.handoff_tasks = getattr(coord, "handoff_tasks", set())
             coord.handoff_tasks.add(task)
             task.add_done_callback(coord.handoff_tasks.discard)
 
 
-async def _guard(coord, fn, cells: list[int]) -> None:
+async def _guard(coord, fn, cells: list[int], wait: bool) -> None:
     try:
-        await fn(coord, cells)
+        await fn(coord, cells, wait=wait)
     except Exception as exc:  # noqa: BLE001 - a failed handoff stops the job, loudly
         log.exception("handoff of cells %s failed", cells)
         coord.rd.event("handoff_failed", cells=cells, error=f"{type(exc).__name__}: {exc}")
@@ -73,12 +75,12 @@ async def load_weights_everywhere(coord, version: int) -> None:
                    seconds=time.monotonic() - t0)
 
 
-async def to_train_cells(coord, cells: list[int]) -> None:
+async def to_train_cells(coord, cells: list[int], *, wait: bool) -> None:
     t0 = time.monotonic()
     for c in cells:
         coord.table.begin_handoff(c, Role.TRAIN, now_s=time.time() - coord.t0)
         coord.gateway.drain_server(f"cell{c}")
-    while any(_busy(coord, c) for c in cells):
+    while any(_busy(coord, c, wait=wait) for c in cells):
         await asyncio.sleep(0.05)
     phases = {"drain_s": time.monotonic() - t0}
     t1 = time.monotonic()
@@ -97,7 +99,7 @@ async def to_train_cells(coord, cells: list[int]) -> None:
     coord.rd.event("handoff", direction="rollout->train", cells=cells, **phases)
 
 
-async def to_rollout_cells(coord, cells: list[int]) -> None:
+async def to_rollout_cells(coord, cells: list[int], *, wait: bool = False) -> None:
     t0 = time.monotonic()
     for c in cells:
         coord.table.begin_handoff(c, Role.ROLLOUT, now_s=time.time() - coord.t0)
@@ -118,6 +120,8 @@ async def to_rollout_cells(coord, cells: list[int]) -> None:
     coord.rd.event("handoff", direction="train->rollout", cells=cells, **phases)
 
 
-def _busy(coord, cell: int) -> bool:
+def _busy(coord, cell: int, *, wait: bool) -> bool:
+    """A draining server is done when no call is in flight on it (migrate: its runs move
+    at their next call) or, with the `wait` drain, when none of its runs is left."""
     load = coord.gateway.server_load().get(f"cell{cell}", {})
-    return bool(load.get("runs", 0) or load.get("in_flight", 0))
+    return bool(load.get("in_flight", 0) or (wait and load.get("runs", 0)))

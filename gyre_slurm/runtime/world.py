@@ -50,9 +50,10 @@ class TrainWorld:
         old, new = list(self.members), list(members)
         t0 = time.monotonic()
         timings: dict[str, float] = {}
-        if old:
-            await self._all(old, "/cmd/flush")
         staying = [n for n in old if n in new]
+        if old:  # gradients so far end up on a member that stays (or the handover file)
+            keep = old.index(staying[0]) if staying else 0
+            await self._all(old, "/cmd/flush", {"keep_rank": keep})
         if old and not staying:
             self.state_file.parent.mkdir(parents=True, exist_ok=True)
             await self.agents[old[0]].post("/cmd/save", {"path": str(self.state_file)})

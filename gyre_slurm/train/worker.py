@@ -115,23 +115,31 @@ class TrainerWorker:
 
     def join(self, spec: WorldSpec, rank: int, *, src_rank: int,
              init_weights: Path | None = None, optimizer_state: Path | None = None,
-             timeout_s: float = 120.0) -> dict[str, float]:
+             checkpoint: Path | None = None, timeout_s: float = 120.0) -> dict[str, float]:
         """Join world `spec` as `rank`; rank `src_rank` broadcasts its state to all.
 
         `init_weights` (a safetensors weights dir) and `optimizer_state` (a file written
         by `save_checkpoint`, or a torch-saved optimizer state dict) are used only by a
-        member that has no model yet. Returns {"destroy_s", "init_s", "broadcast_s",
-        "build_s"} (build_s is 0.0 for a member that kept its model)."""
+        member that has no model yet. `checkpoint` (a `save_checkpoint` file: model,
+        optimizer, version, RNG and the accumulated gradients) is loaded only by the
+        member that will broadcast (`rank == src_rank`) when it has no model: the way
+        state crosses into a world nobody of the last one stays in. Returns {"destroy_s",
+        "init_s", "broadcast_s", "build_s"} (build_s is 0.0 for a member that kept its
+        model)."""
         if not 0 <= src_rank < spec.world_size:
             raise ValueError(f"src_rank {src_rank} outside a world of {spec.world_size}")
         self.spec, self.rank = None, None  # the old world ends here, whatever happens next
         build_s = 0.0
         if self.model is None:
             t0 = time.perf_counter()
-            self._build(None if init_weights is None else Path(init_weights),
-                        backend=spec.backend)
-            if optimizer_state is not None:
-                self._load_optimizer(Path(optimizer_state))
+            if checkpoint is not None and rank == src_rank:
+                self._build(None, backend=spec.backend)
+                self.load_checkpoint(Path(checkpoint))
+            else:
+                self._build(None if init_weights is None else Path(init_weights),
+                            backend=spec.backend)
+                if optimizer_state is not None:
+                    self._load_optimizer(Path(optimizer_state))
             build_s = time.perf_counter() - t0
         times = gdist.join_world(spec, rank, timeout_s=timeout_s)
         self.spec, self.rank = spec, rank
@@ -207,11 +215,18 @@ class TrainerWorker:
                          clip_frac=s["clipped"] / s["tokens"])
         return stats
 
-    def optimizer_step(self, *, publish_dir: Path | None = None) -> dict[str, Any]:
-        """All-reduce(sum) gradients, clip, AdamW step, zero; rank 0 publishes weights."""
+    def optimizer_step(self, *, publish_dir: Path | None = None,
+                       num_step_tokens: int | None = None) -> dict[str, Any]:
+        """All-reduce(sum) gradients, clip, AdamW step, zero; rank 0 publishes weights.
+
+        Streaming trains micro-batches before the step's token count is known: they can
+        accumulate unnormalised sums (`train_microbatch(num_step_tokens=1)`) and the
+        step divides by `num_step_tokens` here (gradients are linear in the loss)."""
         t0 = time.perf_counter()
         if self.world_size > 1:
             dist.all_reduce(self._grads)
+        if num_step_tokens is not None:
+            self._grads.div_(float(num_step_tokens))
         t1 = time.perf_counter()
         norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.grad_clip))
         skipped = not math.isfinite(norm)
@@ -251,7 +266,7 @@ class TrainerWorker:
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "version": self.version, "rng": rng}
+                "version": self.version, "rng": rng, "grads": self._grads.detach().cpu()}
 
     def save_checkpoint(self, path: Path) -> Path | None:
         """Rank 0 (or a worker outside any world) writes `path` atomically; others no-op."""
@@ -277,4 +292,7 @@ class TrainerWorker:
         torch.set_rng_state(state["rng"]["torch"].cpu())
         if "cuda" in state["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["rng"]["cuda"].cpu())
-        self._grads.zero_()
+        if "grads" in state:  # gradients accumulated before a handover
+            self._grads.copy_(state["grads"].to(self._grads.device))
+        else:
+            self._grads.zero_()
