@@ -144,9 +144,11 @@ class NodeAgent:
                                         lr=rt.lr, seed=self.cfg.sim.seed)
         return self.worker
 
-    async def _train(self, fn, *args, **kwargs):
+    async def _train(self, method: str, *args, **kwargs):
+        """Run a TrainerWorker method on the trainer thread (made there on first use)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.trainer_pool, lambda: fn(*args, **kwargs))
+        return await loop.run_in_executor(
+            self.trainer_pool, lambda: getattr(self._worker(), method)(*args, **kwargs))
 
     async def cmd_join(self, *, generation: int, world_size: int, store_host: str,
                        store_port: int, rank: int, src_rank: int,
@@ -155,33 +157,31 @@ class NodeAgent:
 
         spec = WorldSpec(generation=generation, world_size=world_size, store_host=store_host,
                          store_port=store_port, backend="gloo")
-        worker = self._worker()
-        times = await self._train(worker.join, spec, rank, src_rank=src_rank,
+        times = await self._train("join", spec, rank, src_rank=src_rank,
                                   init_weights=Path(init_weights) if init_weights else None,
                                   checkpoint=Path(checkpoint) if checkpoint else None)
-        return {**times, "version": worker.version}
+        return {**times, "version": self.worker.version}
 
     async def cmd_flush(self, *, keep_rank: int = 0) -> dict:
-        await self._train(self._worker().flush, keep_rank=keep_rank)
+        await self._train("flush", keep_rank=keep_rank)
         return {}
 
     async def cmd_leave(self) -> dict:
-        return await self._train(self._worker().leave) or {}
+        return await self._train("leave") or {}
 
     async def cmd_train_mb(self, *, path: str, num_step_tokens: int) -> dict:
         import json
 
         mb = json.loads(Path(path).read_text())
-        return await self._train(self._worker().train_microbatch, mb,
-                                 num_step_tokens=num_step_tokens)
+        return await self._train("train_microbatch", mb, num_step_tokens=num_step_tokens)
 
     async def cmd_step(self, *, publish_dir: str | None, num_step_tokens: int) -> dict:
-        return await self._train(self._worker().optimizer_step,
+        return await self._train("optimizer_step",
                                  publish_dir=Path(publish_dir) if publish_dir else None,
                                  num_step_tokens=num_step_tokens)
 
     async def cmd_save(self, *, path: str) -> dict:
-        await self._train(self._worker().save_checkpoint, Path(path))
+        await self._train("save_checkpoint", Path(path))
         return {}
 
     async def cmd_shutdown(self) -> dict:

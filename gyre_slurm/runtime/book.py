@@ -64,7 +64,8 @@ class StepBook:
 
     # -- rollout side ----------------------------------------------------------------
     def allowed_steps(self) -> range:
-        return range(0, min(self.num_steps, self.version + self.staleness + 1))
+        """Steps whose runs may start: not yet trained, within the staleness bound."""
+        return range(self.version, min(self.num_steps, self.version + self.staleness + 1))
 
     def pending(self) -> list[RunEntry]:
         return [self.runs[r] for s in self.allowed_steps() for r in self.steps[s].runs
@@ -74,8 +75,14 @@ class StepBook:
         return sum(1 for r in self.runs.values() if r.state == state)
 
     def future(self) -> int:
-        allowed = len(self.allowed_steps())
-        return sum(len(s.runs) for s in self.steps[allowed:])
+        return sum(len(s.runs) for s in self.steps[self.allowed_steps().stop:])
+
+    def mark_trained_before(self, version: int) -> None:
+        """Resume: the steps a checkpoint holds are trained; their runs are over."""
+        self.version = version
+        for step in self.steps[:version]:
+            for rid in step.runs:
+                self.runs[rid].state = "trained"
 
     def start(self, run_id: str) -> None:
         assert self.runs[run_id].state == "pending", self.runs[run_id]

@@ -54,6 +54,7 @@ def load_for_resume(coord) -> int:
     latest = rd.latest_checkpoint()
     if latest is None:
         coord.resume_state = None
+        _drop_uncommitted_stream(rd, 0)
         return 0  # nothing trained yet: start from v0, replaying finished runs
     meta = _read_json(latest / "coordinator.json")
     version = int(meta["version"])
@@ -62,7 +63,17 @@ def load_for_resume(coord) -> int:
                         f"{tiny.weights_dir(rd.path, version)} is missing")
     coord.resume_state = latest / "trainer.pt"
     rd.event("resume", checkpoint=str(latest), version=version)
+    _drop_uncommitted_stream(rd, version)
     return version
+
+
+def _drop_uncommitted_stream(rd, version: int) -> None:
+    """Micro-batches of steps the checkpoint does not hold were never applied to the
+    weights: they are trained again, so their old files go (the stream dir then lists
+    exactly what the committed steps trained)."""
+    for path in (rd.path / "stream").glob("step*_mb*.json"):
+        if int(path.name[4:10]) >= version:
+            path.unlink()
 
 
 def replay_runs(coord) -> None:

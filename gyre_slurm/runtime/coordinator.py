@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -100,7 +101,8 @@ class Coordinator:
         site = web.TCPSite(self.control_runner, self.addr0, 0)
         await site.start()
         self.control_url = f"http://{self.addr0}:{site._server.sockets[0].getsockname()[1]}"
-        self.call_writer = CallStoreWriter(self.rd.path, f"gateway-{int(time.time())}")
+        self.call_writer = CallStoreWriter(self.rd.path,
+                                           f"gateway-{int(time.time())}-{os.getpid()}")
         self.gateway = Gateway(model_dir=self.rd.model_dir, call_writer=self.call_writer,
                                api_key=secret, default_max_tokens=self.cfg.runtime.max_tokens)
         gw_port = await self.gateway.start(self.addr0, 0)
@@ -151,7 +153,7 @@ class Coordinator:
     async def run(self) -> int:
         self.resume_state = None
         version = self.prepare_run_dir()
-        self.book.version = version
+        self.book.mark_trained_before(version)
         await self.start_services()
         launcher = LocalLauncher(run_dir=self.rd.path, num_nodes=self.cfg.cluster.num_nodes,
                                  addr_prefix=self.cfg.runtime.node_addr_prefix)
@@ -313,7 +315,7 @@ class Coordinator:
                        "runs": load.get(f"cell{c.cell_id}", {}).get("runs", 0)}
                       for c in self.table.cells] if self.table else [],
             "runs": {s: self.book.count(s) for s in ("pending", "running", "ok", "failed",
-                                                     "timeout")},
+                                                     "timeout", "trained")},
             "train": {"members": list(self.world.members) if self.world else [],
                       "generation": self.world.generation if self.world else 0,
                       "ready_tokens": self.book.ready_tokens()},
