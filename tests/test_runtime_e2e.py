@@ -169,3 +169,19 @@ def test_gyre_status_reads_a_run_dir(tmp_path, gyre):
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     again = gyre("run", str(ROOT / "configs" / "tiny.yaml"), "--run-dir", str(run_dir), check=False)
     assert again.returncode == 2 and "already holds a run" in again.stderr
+
+
+def test_long_horizon_runs_compact_into_branches_that_all_train(tmp_path):
+    run_dir = tmp_path / "lh"
+    proc = gyre_run(run_dir, "workload.num_steps=2", "workload.prompts_per_step=2",
+                    "workload.group_size=2", "runtime.env=longhorizon", "runtime.max_turns=12",
+                    "runtime.env_params={median_turns: 6, max_turns: 12, tool_mean_s: 0.1, "
+                    "tool_max_s: 0.5, result_tokens: 60}",
+                    "runtime.context_budget_tokens=400", "scheduler.confirm_s=0.3")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    check_run_dir(run_dir, num_steps=2)
+    records = list(read_jsonl(run_dir / "runs" / "runs.jsonl"))
+    assert any(r["num_compactions"] > 0 for r in records)
+    per_run = Counter(rid for rid, _ in trained_trajectories(run_dir))
+    assert max(per_run.values()) > 1  # compaction made real branches
+    assert max(per_run.values()) <= 5  # K

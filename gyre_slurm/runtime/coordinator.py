@@ -61,6 +61,7 @@ class Coordinator:
         self.heartbeats: dict[int, float] = {}
         self.registered = asyncio.Event()
         self.engines: dict[int, str] = {}  # cell -> engine base url
+        self.engine_clients: dict = {}  # cell -> the gateway's EngineClient for it
         self.table: CellTable | None = None
         self.world: TrainWorld | None = None
         self.gateway = None
@@ -195,6 +196,8 @@ class Coordinator:
                              return_exceptions=True)
         await asyncio.to_thread(self.launcher.stop)
         for client in self.agents.values():
+            await client.close()
+        for client in self.engine_clients.values():
             await client.close()
         if self.gateway is not None:
             await self.gateway.stop()

@@ -59,8 +59,9 @@ async def bring_up_engine(coord, cell: int) -> float:
     from gyre_slurm.engines import EngineClient
 
     coord.engines[cell] = res["base_url"]
-    coord.gateway.add_server(f"cell{cell}", EngineClient(res["base_url"], coord.rd.secret()),
-                             capacity=coord.cfg.runtime.runs_per_cell)
+    client = EngineClient(res["base_url"], coord.rd.secret())
+    coord.engine_clients[cell] = client
+    coord.gateway.add_server(f"cell{cell}", client, capacity=coord.cfg.runtime.runs_per_cell)
     return float(res.get("engine_start_s", 0.0))
 
 
@@ -86,6 +87,7 @@ async def to_train_cells(coord, cells: list[int], *, wait: bool) -> None:
     t1 = time.monotonic()
     for c in cells:
         coord.gateway.remove_server(f"cell{c}")
+        await coord.engine_clients.pop(c).close()
         coord.table.begin_loading(c, now_s=time.time() - coord.t0)
     await asyncio.gather(*(coord.agents[coord.nodes_of(c)[0]].post("/cmd/release_engine")
                            for c in cells))
