@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -44,7 +45,21 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{args.run_dir} already holds a run; use --resume to continue "
                             "it, or another --run-dir")
         cfg = load_config(resolve(args.config), args.overrides)
-    return asyncio.run(Coordinator(cfg, args.run_dir, resume=args.resume).run())
+    return asyncio.run(_run_until_signal(Coordinator(cfg, args.run_dir, resume=args.resume)))
+
+
+async def _run_until_signal(coordinator) -> int:
+    """SIGTERM/SIGINT stop the job cleanly: node agents and engines are shut down and
+    what was recorded stays recorded (`--resume` continues from `latest`)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        return await coordinator.run()
+    except asyncio.CancelledError:
+        print("gyre run: stopped by a signal; continue with --resume", file=sys.stderr)
+        return 143
 
 
 def status(args: argparse.Namespace) -> int:
