@@ -39,8 +39,10 @@ def make_app(secret: str) -> web.Application:
 class ControlClient:
     """Sends authenticated commands; one aiohttp session per client."""
 
-    def __init__(self, base_url: str, secret: str, *, timeout_s: float = 600.0):
+    def __init__(self, base_url: str, secret: str, *, timeout_s: float = 600.0,
+                 node: int | None = None):
         self.base_url = base_url.rstrip("/")
+        self.node = node  # the node agent behind it, for error messages
         self._headers = {"Authorization": f"Bearer {secret}"}
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -50,12 +52,16 @@ class ControlClient:
         if self._session is None:
             self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else None
-        async with self._session.post(f"{self.base_url}{path}", json=payload or {},
-                                      timeout=timeout) as resp:
-            body = await resp.json(content_type=None)
-            if resp.status != 200:
-                raise CommandError(f"{self.base_url}{path}: {resp.status} {body}")
-            return body
+        try:
+            async with self._session.post(f"{self.base_url}{path}", json=payload or {},
+                                          timeout=timeout) as resp:
+                body = await resp.json(content_type=None)
+                if resp.status != 200:
+                    raise CommandError(f"{self.base_url}{path}: {resp.status} {body}")
+                return body
+        except aiohttp.ClientConnectionError as exc:
+            raise AgentUnreachable(f"{self.base_url}{path}: unreachable ({exc})",
+                                   node=self.node) from exc
 
     async def close(self) -> None:
         if self._session is not None:
@@ -65,3 +71,11 @@ class ControlClient:
 
 class CommandError(RuntimeError):
     """A node agent refused or failed a command."""
+
+
+class AgentUnreachable(CommandError):
+    """The process behind a control endpoint is gone (connection refused or reset)."""
+
+    def __init__(self, message: str, *, node: int | None = None):
+        super().__init__(message)
+        self.node = node

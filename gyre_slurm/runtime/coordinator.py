@@ -28,7 +28,7 @@ from aiohttp import web
 from gyre_slurm.config.schema import GyreConfig
 from gyre_slurm.models import tiny
 from gyre_slurm.runtime.book import StepBook
-from gyre_slurm.runtime.control import ControlClient, make_app
+from gyre_slurm.runtime.control import AgentUnreachable, ControlClient, make_app
 from gyre_slurm.runtime.launcher import LocalLauncher
 from gyre_slurm.runtime.rollouts import RolloutManager
 from gyre_slurm.runtime.rundir import RunDir
@@ -113,13 +113,12 @@ class Coordinator:
                                 checkpoint=self.resume_state)
         self.rollouts = RolloutManager(cfg=self.cfg, rd=self.rd, book=self.book,
                                        gateway=self.gateway, gateway_url=self.gateway_url,
-                                       api_key=secret, on_ready=self.on_ready,
-                                       flush_calls=self.call_writer.flush)
+                                       api_key=secret, flush_calls=self.call_writer.flush)
 
     async def on_register(self, request: web.Request) -> web.Response:
         body = await request.json()
         node = int(body["node"])
-        self.agents[node] = ControlClient(body["url"], self.rd.secret())
+        self.agents[node] = ControlClient(body["url"], self.rd.secret(), node=node)
         self.heartbeats[node] = time.monotonic()
         self.rd.event("agent_registered", node=node, url=body["url"], pid=body.get("pid"))
         if len(self.agents) == self.cfg.cluster.num_nodes:
@@ -178,12 +177,20 @@ class Coordinator:
             await asyncio.gather(*tasks, return_exceptions=True)
             for task in done:
                 if task.exception() is not None:
-                    raise task.exception()
+                    raise self.explain(task.exception())
             self.rd.event("finish", version=self.book.version, wall_s=time.time() - self.t0)
             self.write_status(final=True)
             return 0
         finally:
             await self.shutdown()
+
+    def explain(self, exc: BaseException) -> BaseException:
+        """A command that found its node agent gone means that agent is lost."""
+        if isinstance(exc, AgentUnreachable) and exc.node is not None:
+            self.rd.event("agent_lost", node=exc.node, error=str(exc))
+            return AgentLost(f"node agent {exc.node} is gone ({exc}); see "
+                             f"{self.rd.log(f'agent-node{exc.node + 1}')}")
+        return exc
 
     async def shutdown(self) -> None:
         handoffs = list(getattr(self, "handoff_tasks", ()))
@@ -277,9 +284,6 @@ class Coordinator:
                       trajectories=state.trained, tokens=state.trained_tokens,
                       runs_ok=len(rewards), runs=len(state.runs),
                       seconds=time.monotonic() - t0, stats=stats)
-
-    def on_ready(self, trajectories: list[dict]) -> None:
-        """A group became trainable (the training loop picks it up)."""
 
     # -- observation and status ------------------------------------------------------
     def observe(self) -> Observation:

@@ -25,10 +25,9 @@ log = logging.getLogger(__name__)
 
 class RolloutManager:
     def __init__(self, *, cfg: GyreConfig, rd: RunDir, book: StepBook, gateway, gateway_url: str,
-                 api_key: str, on_ready, flush_calls=None):
+                 api_key: str, flush_calls=None):
         self.cfg, self.rd, self.book = cfg, rd, book
         self.gateway, self.gateway_url, self.api_key = gateway, gateway_url, api_key
-        self.on_ready = on_ready  # callback(list of trajectories) when a group is trainable
         self.flush_calls = flush_calls  # makes the gateway's recorded calls readable
         self.tasks: dict[str, asyncio.Task] = {}
         self.started_at: dict[str, float] = {}
@@ -106,12 +105,11 @@ class RolloutManager:
             if error:
                 status = "failed"
                 self.rd.event("run_rejected", run_id=run_id, reason=error)
-        ready = self.book.finish(run_id, status=status, reward=float(record.get("reward", 0.0)),
-                                 trajectories=trajectories)
+        # The ledger releases the group to the training loop once every run of it ended.
+        self.book.finish(run_id, status=status, reward=float(record.get("reward", 0.0)),
+                         trajectories=trajectories)
         self.rd.event("run_end", run_id=run_id, status=status, reward=record.get("reward"),
                       trajectories=len(trajectories), error=record.get("error"))
-        if ready:
-            self.on_ready(ready)
 
     def _trajectories(self, run_id: str) -> tuple[list[dict], str | None]:
         from gyre_slurm.traj.process import process_run
