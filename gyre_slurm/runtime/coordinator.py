@@ -15,6 +15,7 @@ rewritten about once a second; everything that happens lands in `events.jsonl`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import os
@@ -69,6 +70,7 @@ class Coordinator:
         self.busy_cells: set[int] = set()  # cells with a handoff under way
         self.train_rate: list[float] = []  # measured tokens/s per cell
         self.rewards: list[dict] = []
+        self.waterlevel_history: collections.deque = collections.deque(maxlen=300)
         self.failure: BaseException | None = None
         self.t0 = time.time()
 
@@ -311,8 +313,20 @@ class Coordinator:
             step_runs_left=self.book.step_runs_left(),
         )
 
+    def sample_waterlevel(self) -> dict:
+        in_flight = self.rollouts.in_flight() if self.rollouts else 0
+        queued = len(self.book.pending())
+        sample = {"t": round(time.time() - self.t0, 2), "in_flight": in_flight,
+                  "queued": queued,
+                  "waterlevel": round((in_flight + queued) / self.cfg.runtime.runs_per_cell, 3),
+                  "rollout_cells": len(self.table.heading_to(Role.ROLLOUT)) if self.table else 0,
+                  "train_cells": len(self.table.heading_to(Role.TRAIN)) if self.table else 0}
+        self.waterlevel_history.append(sample)
+        return sample
+
     def write_status(self, *, final: bool = False) -> None:
         load = self.gateway.server_load() if self.gateway else {}
+        now = self.sample_waterlevel()
         self.rd.write_status({
             "t": time.time(), "elapsed_s": time.time() - self.t0, "final": final,
             "policy": self.policy.name, "version": self.book.version,
@@ -327,6 +341,8 @@ class Coordinator:
                       "generation": self.world.generation if self.world else 0,
                       "ready_tokens": self.book.ready_tokens()},
             "rewards": self.rewards,
+            "waterlevel": now,  # demand / runs per cell, now
+            "waterlevel_history": list(self.waterlevel_history),  # the last 300 samples
         })
 
     async def status_loop(self) -> None:
