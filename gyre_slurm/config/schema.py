@@ -185,7 +185,7 @@ class SimConfig:
 class RuntimeConfig:
     """The real runtime (`gyre run`): launcher, engines, agents, trainer settings."""
 
-    launcher: Literal["local"] = "local"
+    launcher: Literal["auto", "local", "slurm"] = "auto"  # auto: slurm inside a job
     node_addr_prefix: str = "127.0.10."  # virtual node i binds PREFIX(i+1)
     env: str = "learnable"  # an environment name (gyre_slurm.envs)
     env_params: dict[str, float] = field(default_factory=dict)

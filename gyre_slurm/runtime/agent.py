@@ -192,10 +192,20 @@ class NodeAgent:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="gyre node agent")
     parser.add_argument("--run-dir", required=True, type=Path)
-    parser.add_argument("--node-index", required=True, type=int)
-    parser.add_argument("--addr", required=True)
+    parser.add_argument("--node-index", type=int, default=None,
+                        help="this node's index in the allocation (default: $SLURM_NODEID)")
+    parser.add_argument("--addr", required=True,
+                        help="address to bind, or `auto`: this node's hostname resolved")
     parser.add_argument("--coordinator", required=True)
     args = parser.parse_args(argv)
+    if args.node_index is None:
+        if "SLURM_NODEID" not in os.environ:
+            parser.error("--node-index is needed outside a Slurm step")
+        args.node_index = int(os.environ["SLURM_NODEID"])
+    if args.addr == "auto":
+        from gyre_slurm.runtime.launcher import own_address
+
+        args.addr = own_address()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s node{args.node_index} %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("OMP_NUM_THREADS", "1")

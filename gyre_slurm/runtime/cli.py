@@ -50,14 +50,26 @@ def run(args: argparse.Namespace) -> int:
 
 async def _run_until_signal(coordinator) -> int:
     """SIGTERM/SIGINT stop the job cleanly: node agents and engines are shut down and
-    what was recorded stays recorded (`--resume` continues from `latest`)."""
+    what was recorded stays recorded (`--resume` continues from `latest`). USR2 (Slurm's
+    preemption / time-limit warning, `--signal=B:USR2@N`) does the same, then requeues
+    the job, which resumes from `latest` (see `gyre_slurm.slurm.requeue`)."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, task.cancel)
+    received: list[int] = []
+
+    def stop(sig: int) -> None:
+        received.append(sig)
+        task.cancel()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+        loop.add_signal_handler(sig, stop, sig)
     try:
         return await coordinator.run()
     except asyncio.CancelledError:
+        if received and received[0] == signal.SIGUSR2:
+            from gyre_slurm.slurm.requeue import requeue_self
+
+            return requeue_self(coordinator.rd)
         print("gyre run: stopped by a signal; continue with --resume", file=sys.stderr)
         return 143
 

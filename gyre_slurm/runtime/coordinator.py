@@ -30,7 +30,7 @@ from gyre_slurm.config.schema import GyreConfig
 from gyre_slurm.models import tiny
 from gyre_slurm.runtime.book import StepBook
 from gyre_slurm.runtime.control import AgentUnreachable, ControlClient, make_app
-from gyre_slurm.runtime.launcher import LocalLauncher
+from gyre_slurm.runtime.launcher import make_launcher
 from gyre_slurm.runtime.rollouts import RolloutManager
 from gyre_slurm.runtime.rundir import RunDir
 from gyre_slurm.runtime.world import TrainWorld
@@ -57,7 +57,10 @@ class Coordinator:
         w = cfg.workload
         self.book = StepBook(num_steps=w.num_steps, prompts_per_step=w.prompts_per_step,
                              group_size=w.group_size, staleness=stale)
-        self.addr0 = f"{cfg.runtime.node_addr_prefix}1"
+        self.launcher = make_launcher(cfg.runtime.launcher, run_dir=self.rd.path,
+                                      num_nodes=cfg.cluster.num_nodes,
+                                      addr_prefix=cfg.runtime.node_addr_prefix)
+        self.addr0 = self.launcher.coordinator_addr()  # node 0's own address
         self.agents: dict[int, ControlClient] = {}
         self.heartbeats: dict[int, float] = {}
         self.registered = asyncio.Event()
@@ -138,7 +141,7 @@ class Coordinator:
 
     async def lay_out(self) -> None:
         layout = self.policy.initial_layout(self.cfg.cluster.num_cells)
-        names = [f"node{i + 1}" for i in range(self.cfg.cluster.num_nodes)]
+        names = self.launcher.node_names()
         self.table = CellTable(Cell(i, tuple(names[n] for n in self.nodes_of(i)),
                                     layout.standalone[i], layout.roles[i])
                                for i in range(self.cfg.cluster.num_cells))
@@ -157,10 +160,7 @@ class Coordinator:
         version = self.prepare_run_dir()
         self.book.mark_trained_before(version)
         await self.start_services()
-        launcher = LocalLauncher(run_dir=self.rd.path, num_nodes=self.cfg.cluster.num_nodes,
-                                 addr_prefix=self.cfg.runtime.node_addr_prefix)
-        self.launcher = launcher
-        launcher.start(self.control_url)
+        self.launcher.start(self.control_url)
         try:
             await asyncio.wait_for(self.registered.wait(), timeout=120)
             if self.resume:
@@ -191,7 +191,7 @@ class Coordinator:
         if isinstance(exc, AgentUnreachable) and exc.node is not None:
             self.rd.event("agent_lost", node=exc.node, error=str(exc))
             return AgentLost(f"node agent {exc.node} is gone ({exc}); see "
-                             f"{self.rd.log(f'agent-node{exc.node + 1}')}")
+                             f"{self.launcher.agent_log(exc.node)}")
         return exc
 
     async def shutdown(self) -> None:
@@ -358,7 +358,7 @@ class Coordinator:
                 if now - beat > lost_s:
                     self.rd.event("agent_lost", node=node, silent_s=now - beat)
                     raise AgentLost(f"node agent {node} silent for {now - beat:.1f}s; "
-                                    f"see {self.rd.log(f'agent-node{node + 1}')}")
+                                    f"see {self.launcher.agent_log(node)}")
             await asyncio.sleep(0.5)
 
 
