@@ -2,7 +2,11 @@
 multi-node steps with real node names, overlapping steps pinned to a node, a signal to the batch
 shell, a requeue that runs the job again, and fake GPUs bound per step."""
 import json
+import os
+import shutil
 import subprocess
+import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -10,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from gyre_slurm.slurm import pytest_fixtures
-from gyre_slurm.slurm.localcluster import LocalCluster
+from gyre_slurm.slurm.localcluster import HOSTS_FILE, HOSTS_TAG, LocalCluster
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
 
 CMD_TIMEOUT_S = 30
 
@@ -130,3 +135,74 @@ def test_gpu_steps_get_their_own_devices(slurm_cluster):
                 f"{step} & {step} & wait")
     halves = sorted(line for line in out.split() if "," in line)
     assert halves == ["0,1", "2,3"], out
+
+
+def localslurm(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess:
+    env = dict(cluster.env(), GYRE_SLURM_STATE=str(cluster.state_dir))
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "localslurm"), *args], env=env,
+                          capture_output=True, text=True, timeout=CMD_TIMEOUT_S, check=False)
+
+
+def test_tool_up_on_a_running_cluster_only_reports_it(slurm_cluster):
+    up = localslurm(slurm_cluster, "up")
+    assert up.returncode == 0, up.stderr
+    assert "already running" in up.stdout
+    assert f"export SLURM_CONF={slurm_cluster.conf_path}" in up.stdout
+    status = localslurm(slurm_cluster, "status")
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert status.stdout.count(" alive") == 6  # munged, slurmctld, 4 slurmd
+    assert all(f"node{n} idle gpu:4" in status.stdout for n in range(1, 5))
+    hosts = HOSTS_FILE.read_text()
+    assert all(f"127.0.10.{n} node{n}  {HOSTS_TAG}" in hosts for n in range(1, 5))
+
+
+def test_a_second_cluster_on_the_same_ports_is_refused(slurm_cluster, tmp_path):
+    second = LocalCluster(tmp_path / "second", num_nodes=1)
+    with pytest.raises(RuntimeError, match="in use"):
+        second.up(timeout_s=10)
+    assert not any(d.alive for d in second.status().daemons)
+    assert slurm_cluster.is_up()
+
+
+@pytest.fixture
+def open_dir():
+    """A fresh dir under /tmp that all may search (munged's socket needs o+x on every parent;
+    pytest's tmp_path is 0700)."""
+    path = Path(tempfile.mkdtemp(prefix="gyre-slurm-test-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_state_dir_that_munged_cannot_use_is_refused(slurm_cluster, tmp_path):
+    closed = LocalCluster(tmp_path / "closed", num_nodes=1, ctld_port=16818,
+                          node_port_base=16950)
+    with pytest.raises(RuntimeError, match="searchable by all"):
+        closed.up(timeout_s=10)
+    assert not any(d.alive for d in closed.status().daemons)
+
+
+def test_a_half_started_cluster_is_stopped(slurm_cluster, open_dir):
+    """`up` that times out stops what it started and removes its /etc/hosts lines."""
+    half = LocalCluster(open_dir / "half", num_nodes=1, ctld_port=16818, node_port_base=16950)
+    with pytest.raises(TimeoutError):
+        half.up(timeout_s=0)
+    assert "munged --socket" in read(half.state_dir / "log" / "daemons.out")  # it did start
+    assert not any(d.alive for d in half.status().daemons)
+    assert processes_naming(half.state_dir) == []
+    assert str(half.state_dir) not in HOSTS_FILE.read_text()
+    assert slurm_cluster.is_up()
+
+
+def processes_naming(path: Path) -> list[str]:
+    """Command lines of live (not zombie) processes that name `path`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if str(path) in cmdline and state != "Z" and proc.name != str(os.getpid()):
+            found.append(cmdline)
+    return found

@@ -1,20 +1,16 @@
 """A real multi-node Slurm cluster on one machine (Debian's Slurm 22.05), for tests and trials.
 
-`LocalCluster(state_dir, num_nodes=4)` runs munged, slurmctld and one slurmd per node, all as
-root, all started by hand (never as system services), all stopped by the PIDs in their pid files.
+`LocalCluster(state_dir, num_nodes=4)` runs munged, slurmctld and one slurmd per node as root,
+started by hand (never as system services) and stopped by the PIDs in their pid files.
+State dir (default `$GYRE_SLURM_STATE` or /tmp/gyre-localslurm): etc/slurm.conf + gres.conf
+(clients need `SLURM_CONF=STATE/etc/slurm.conf`), munge/ (key 0400, socket, pid), run/*.pid,
+log/ (munged, slurmctld, slurmd-nodeN, daemons.out, jobcomp.txt), ctld/ (saved state),
+spool/nodeN/, dev/nvidia0..3 (-> /dev/null), .lock (serialises up/down), users.lock and
+run/owner (see pytest_fixtures).
 
-Layout under STATE (the state dir; default `$GYRE_SLURM_STATE` or /tmp/gyre-localslurm):
-  etc/slurm.conf, etc/gres.conf   the config (clients need `SLURM_CONF=STATE/etc/slurm.conf`)
-  munge/munge.key (0400), munge/munge.socket, munge/munged.pid
-  run/slurmctld.pid, run/slurmd-nodeN.pid
-  log/munged.log, log/slurmctld.log, log/slurmd-nodeN.log, log/daemons.out, log/jobcomp.txt
-  ctld/ (StateSaveLocation), spool/nodeN/ (SlurmdSpoolDir), dev/nvidia0..3 (-> /dev/null)
-  .lock (serialises up/down), users.lock (pytest sessions sharing the cluster; see
-  pytest_fixtures), run/owner ("pytest" when a test session started the cluster)
-
-Nodes: nodeN has address 127.0.10.N (a line `127.0.10.N nodeN  # gyre-localslurm` is added to
-/etc/hosts, rewritten in place, removed on down), slurmd port `node_port_base + N`, 4 CPUs,
-2000 MB and 4 fake GPUs (gres gpu:4, File= symlinks to /dev/null: steps get
+Nodes: nodeN has address 127.0.10.N (a line `127.0.10.N nodeN  # gyre-localslurm STATE` is
+added to /etc/hosts, rewritten in place, removed on down), slurmd port `node_port_base + N`,
+4 CPUs, 2000 MB and 4 fake GPUs (gres gpu:4, File= symlinks to /dev/null: steps get
 CUDA_VISIBLE_DEVICES but there is no device). Each slurmd runs in its own UTS namespace with
 hostname nodeN, so `srun hostname` prints nodeN. All nodes share one network stack: a server
 on a node binds the node's own address (127.0.10.N), never 0.0.0.0.
@@ -22,13 +18,12 @@ on a node binds the node's own address (127.0.10.N), never 0.0.0.0.
 Works: sbatch (multi-node, arrays, --wait), srun (--overlap, --exact, -w), scancel (also
 `--batch --signal=USR2`), `scontrol requeue` (the job runs again after cred_expire=10 s, with
 SLURM_RESTART_COUNT=1), squeue/sinfo (also --json), GPU gres binding per step.
-
-Known not to work: sacct and anything else needing slurmdbd (AccountingStorageType=none; tools
-such as submitit warn "Bypassing sacct error"); `scontrol ... --json` (not in 22.05); cgroup
-confinement (proctrack/linuxproc + task/none: steps are not fenced to their CPUs or memory);
-real GPUs; timed signals (`--signal=B:USR2@T`) arrive up to ~30 s late (slurmctld's limit
-check period): send signals with `scancel --signal`. One cluster per machine at a time: ports
-and node names are fixed per cluster, and a second cluster with the same ports is refused.
+Known not to work: sacct and anything else needing slurmdbd (tools such as submitit warn
+"Bypassing sacct error"); `scontrol ... --json` (not in 22.05); cgroup confinement
+(proctrack/linuxproc + task/none: steps are not fenced to their CPUs or memory); real GPUs;
+timed signals (`--signal=B:USR2@T`) arrive up to ~30 s late (slurmctld's limit check period):
+send signals with `scancel --signal`. One cluster per machine at a time (a second one on the
+same ports is refused); `up` with another node count restarts the cluster.
 """
 from __future__ import annotations
 
@@ -70,27 +65,25 @@ class ClusterStatus:
     daemons: list[DaemonStatus]
     sinfo: str
 
-    @property
-    def all_alive(self) -> bool:
-        return all(d.alive for d in self.daemons)
-
 
 def pid_alive(pid: int | None) -> bool:
-    """True if `pid` runs and is not a zombie (PID 1 here reaps slowly)."""
-    if not pid:
-        return False
+    """True if `pid` runs and is not a zombie (PID 1 may reap slowly)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return bool(pid) and Path(f"/proc/{pid}/stat").read_text().rsplit(")")[-1][1] != "Z"
     except OSError:
         return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _read_pid(pid_file: Path) -> int | None:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(pid_file.read_text().split()[0])
+    return None
 
 
 def _cmdline(pid: int) -> str:
-    try:
+    with contextlib.suppress(OSError):
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
+    return ""
 
 
 def _stop_pid(pid: int, *, timeout_s: float) -> None:
@@ -152,9 +145,13 @@ def render_slurm_conf(*, state_dir: Path, num_nodes: int, ctld_port: int,
     return "\n".join(lines) + "\n"
 
 
-def _write(path: Path, text: str, mode: int = 0o644) -> None:
+def _write(path: Path, data: str | bytes, mode: int = 0o644) -> None:
+    """Atomic write (tmp + rename) with the final mode set before the rename."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data.encode() if isinstance(data, str) else data)
     tmp.chmod(mode)
     os.replace(tmp, path)
 
@@ -173,12 +170,9 @@ class LocalCluster:
         if not 1 <= num_nodes <= 250:
             raise ValueError(f"num_nodes must be in 1..250, not {num_nodes}")
         self.state_dir = Path(state_dir or default_state_dir()).resolve()
-        self.num_nodes = num_nodes
-        self.ctld_port = ctld_port
-        self.node_port_base = node_port_base
+        self.num_nodes, self.ctld_port, self.node_port_base = num_nodes, ctld_port, node_port_base
         self.nodes = [f"node{n}" for n in range(1, num_nodes + 1)]
 
-    # ---- paths and environment -------------------------------------------------------------
     @property
     def conf_path(self) -> Path:
         return self.state_dir / "etc" / "slurm.conf"
@@ -189,6 +183,12 @@ class LocalCluster:
         env["SLURM_CONF"] = str(self.conf_path)
         return env
 
+    def _query(self, *argv: str) -> str:
+        """A Slurm client command's stdout (stderr too if `argv[0]` fails)."""
+        proc = subprocess.run(argv, capture_output=True, text=True, env=self.env(),
+                              check=False, timeout=10)
+        return proc.stdout if proc.returncode == 0 else proc.stdout + proc.stderr
+
     def _pid_files(self) -> dict[str, Path]:
         s = self.state_dir
         files = {"munged": s / "munge" / "munged.pid", "slurmctld": s / "run" / "slurmctld.pid"}
@@ -196,23 +196,21 @@ class LocalCluster:
         return files
 
     def _daemon_pid(self, name: str) -> int | None:
-        """The PID in `name`'s pid file if that process is alive and ours (its command line
-        names this state dir), else None."""
-        try:
-            pid = int(self._pid_files()[name].read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            return None
-        marker = str(self.state_dir)
-        return pid if pid_alive(pid) and marker in _cmdline(pid) else None
+        return self._live_pid(self._pid_files()[name])
+
+    def _live_pid(self, pid_file: Path) -> int | None:
+        """The PID in `pid_file` if that process is alive and ours (its command line names
+        this state dir), else None."""
+        pid = _read_pid(pid_file)
+        return pid if pid_alive(pid) and str(self.state_dir) in _cmdline(pid) else None
 
     @contextlib.contextmanager
-    def _locked(self, name: str = ".lock", kind: int = fcntl.LOCK_EX):
+    def _locked(self):
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.state_dir / name, "a") as fh:
-            fcntl.flock(fh, kind)
-            yield fh
+        with open(self.state_dir / ".lock", "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            yield
 
-    # ---- checks ------------------------------------------------------------------------------
     def can_run(self) -> tuple[bool, str]:
         """(True, "") when this machine can run the cluster, else (False, why not)."""
         if os.geteuid() != 0:
@@ -230,9 +228,9 @@ class LocalCluster:
         return True, ""
 
     def is_up(self) -> bool:
+        """Every daemon of this state dir (munged, slurmctld, each node's slurmd) runs."""
         return all(self._daemon_pid(name) for name in self._pid_files())
 
-    # ---- up ------------------------------------------------------------------------------------
     def up(self, timeout_s: float = 60.0) -> bool:
         """Start the cluster and wait until every node is idle. Returns False if it was already
         up (nothing done), True if started. A half-started cluster is stopped on failure."""
@@ -244,36 +242,41 @@ class LocalCluster:
             if _port_in_use(self.ctld_port):
                 raise RuntimeError(f"port {self.ctld_port} is in use: another local Slurm "
                                    "cluster (other state dir) runs on this machine?")
+            self._spawned: list[str] = []
             try:
                 self._start(timeout_s=timeout_s)
             except BaseException:
-                self._stop_all()
+                self._stop_all(wait_for=self._spawned)
                 raise
             return True
 
     def _start(self, *, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         self._write_files()
-        self._hosts_add()
-        with open(self.state_dir / "log" / "daemons.out", "a") as out:
-            self._spawn(["munged", f"--socket={self.state_dir}/munge/munge.socket",
-                         f"--key-file={self.state_dir}/munge/munge.key",
-                         f"--pid-file={self._pid_files()['munged']}",
-                         f"--log-file={self.state_dir}/log/munged.log",
-                         f"--seed-file={self.state_dir}/munge/munged.seed"], out)
+        self._rewrite_hosts(keep_ours=True)
+        s, conf = self.state_dir, str(self.conf_path)
+        with open(s / "log" / "daemons.out", "a") as out:
+            self._spawn("munged", ["munged", f"--socket={s}/munge/munge.socket",
+                                   f"--key-file={s}/munge/munge.key",
+                                   f"--pid-file={s}/munge/munged.pid",
+                                   f"--log-file={s}/log/munged.log",
+                                   f"--seed-file={s}/munge/munged.seed"], out)
             self._wait_pid("munged", deadline)
-            self._spawn(["slurmctld", "-f", str(self.conf_path)], out)
+            self._spawn("slurmctld", ["slurmctld", "-f", conf], out)
             self._wait_pid("slurmctld", deadline)
             for node in self.nodes:
                 script = f'hostname {node} && exec slurmd -N {node} -f "$1"'
-                self._spawn(["unshare", "--uts", "--", "sh", "-c", script, "sh",
-                             str(self.conf_path)], out)
+                self._spawn(f"slurmd-{node}",
+                            ["unshare", "--uts", "--", "sh", "-c", script, "sh", conf], out)
             for node in self.nodes:
                 self._wait_pid(f"slurmd-{node}", deadline)
         self._wait_idle(deadline)
 
     def _write_files(self) -> None:
         s = self.state_dir
+        closed = [d for d in (s, *s.parents) if not d.stat().st_mode & 0o001]
+        if closed:  # munged: "Socket is inaccessible: execute permissions for all required"
+            raise RuntimeError(f"{closed[0]} must be searchable by all (o+x) for munged")
         for sub in ("etc", "munge", "run", "log", "ctld", "dev", "spool"):
             (s / sub).mkdir(parents=True, exist_ok=True)
         for node in self.nodes:
@@ -281,14 +284,10 @@ class LocalCluster:
         (s / "munge").chmod(0o755)  # munged refuses a group/world-writable socket dir
         key = s / "munge" / "munge.key"
         if not key.exists():
-            key.touch(mode=0o600)
-            key.write_bytes(os.urandom(1024))
-        key.chmod(0o400)
-        for i in range(GPUS_PER_NODE):
-            dev = s / "dev" / f"nvidia{i}"
-            if not dev.is_symlink():
-                dev.unlink(missing_ok=True)
-                dev.symlink_to("/dev/null")  # slurmd wants a device: a regular file is refused
+            _write(key, os.urandom(1024), mode=0o400)
+        for dev in (s / "dev" / f"nvidia{i}" for i in range(GPUS_PER_NODE)):
+            dev.unlink(missing_ok=True)
+            dev.symlink_to("/dev/null")  # slurmd wants a device: a regular file is refused
         _write(self.conf_path, render_slurm_conf(state_dir=s, num_nodes=self.num_nodes,
                                                  ctld_port=self.ctld_port,
                                                  node_port_base=self.node_port_base))
@@ -296,8 +295,9 @@ class LocalCluster:
                f"AutoDetect=off\nNodeName=node[1-{self.num_nodes}] Name=gpu "
                f"File={s}/dev/nvidia[0-{GPUS_PER_NODE - 1}]\n")
 
-    def _spawn(self, argv: list[str], out) -> None:
+    def _spawn(self, name: str, argv: list[str], out) -> None:
         """Run a self-daemonizing command; it returns once the daemon has forked."""
+        self._spawned.append(name)
         out.write(f"--- {time.strftime('%H:%M:%S')} {' '.join(argv)}\n")
         out.flush()
         proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
@@ -306,35 +306,35 @@ class LocalCluster:
             raise RuntimeError(f"{argv[0]} failed to start (exit {proc.returncode}); see "
                                f"{self.state_dir}/log/daemons.out and the daemon's log")
 
-    def _wait_pid(self, name: str, deadline: float) -> int:
-        while time.monotonic() < deadline:
-            pid = self._daemon_pid(name)
-            if pid:
-                return pid
+    def _wait_pid(self, name: str, deadline: float) -> None:
+        while not self._daemon_pid(name):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} did not start; see {self.state_dir}/log/")
             time.sleep(0.02)
-        raise TimeoutError(f"{name} did not start; see {self.state_dir}/log/")
 
     def _wait_idle(self, deadline: float) -> None:
         states: dict[str, str] = {}
         while time.monotonic() < deadline:
-            proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True,
-                                  text=True, env=self.env(), check=False, timeout=10)
-            states = dict(line.split() for line in proc.stdout.splitlines() if line.strip())
+            out = self._query("sinfo", "-h", "-N", "-o", "%N %T")
+            states = dict(line.split()[:2] for line in out.splitlines() if " " in line)
             if all(states.get(n) == "idle" for n in self.nodes):
                 return
             time.sleep(0.05)
         raise TimeoutError(f"nodes not idle in time: {states}; see {self.state_dir}/log/")
 
-    # ---- /etc/hosts ----------------------------------------------------------------------------
+    @property
+    def _hosts_tag(self) -> str:
+        return f"{HOSTS_TAG} {self.state_dir}"
+
     def _hosts_lines(self) -> list[str]:
-        return [f"127.0.10.{i} {n}  {HOSTS_TAG}" for i, n in enumerate(self.nodes, start=1)]
+        return [f"127.0.10.{i} {n}  {self._hosts_tag}" for i, n in enumerate(self.nodes, 1)]
 
     def _rewrite_hosts(self, keep_ours: bool) -> None:
         """Rewrite /etc/hosts in place (it may be a bind mount: no rename)."""
         with open(HOSTS_FILE, "r+") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             old = fh.read().splitlines()
-            new = [line for line in old if not line.rstrip().endswith(HOSTS_TAG)]
+            new = [line for line in old if not line.rstrip().endswith(self._hosts_tag)]
             if keep_ours:
                 new += self._hosts_lines()
             if new != old:
@@ -342,10 +342,6 @@ class LocalCluster:
                 fh.write("\n".join(new) + "\n")
                 fh.truncate()
 
-    def _hosts_add(self) -> None:
-        self._rewrite_hosts(keep_ours=True)
-
-    # ---- down ----------------------------------------------------------------------------------
     def down(self, *, purge: bool = False) -> None:
         """Cancel every job, stop every daemon, remove the /etc/hosts lines; with purge also
         delete the state dir."""
@@ -358,49 +354,46 @@ class LocalCluster:
             shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def _cancel_all_jobs(self, timeout_s: float = 10.0) -> None:
-        env = self.env()
-        squeue = ["squeue", "-h", "-o", "%i"]
-        jobs = subprocess.run(squeue, capture_output=True, text=True, env=env, check=False,
-                              timeout=10).stdout.split()
+        jobs = self._query("squeue", "-h", "-o", "%i").split()
         if not jobs:
             return
-        subprocess.run(["scancel", "--full", *jobs], capture_output=True, env=env, check=False,
-                       timeout=10)
+        self._query("scancel", "--full", *jobs)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            left = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%T"],
-                                  capture_output=True, text=True, env=env, check=False,
-                                  timeout=10).stdout.split()
-            if not any(state in ("RUNNING", "COMPLETING", "CONFIGURING") for state in left):
+            states = self._query("squeue", "-h", "-t", "all", "-o", "%T").split()
+            if not {"RUNNING", "COMPLETING", "CONFIGURING"} & set(states):
                 return
             time.sleep(0.1)
         log.warning("jobs still running after scancel; stopping the daemons anyway")
 
     def _stop_daemons(self) -> None:
-        order = [f"slurmd-{n}" for n in self.nodes] + ["slurmctld", "munged"]
-        for name in order:
-            pid = self._daemon_pid(name)
+        """Stop every daemon of this state dir: each slurmd (also of nodes beyond num_nodes,
+        left by an `up` with more nodes), then slurmctld, then munged."""
+        run = self.state_dir / "run"
+        order = sorted(run.glob("slurmd-*.pid")) + [run / "slurmctld.pid",
+                                                    self._pid_files()["munged"]]
+        for pid_file in order:
+            pid = self._live_pid(pid_file)
             if pid:
-                log.debug("stopping %s (pid %d)", name, pid)
+                log.debug("stopping %s (pid %d)", pid_file.stem, pid)
                 _stop_pid(pid, timeout_s=10.0)
 
-    def _stop_all(self) -> None:
+    def _stop_all(self, *, wait_for: list[str] = (), grace_s: float = 3.0) -> None:
+        """Stop the daemons and remove the /etc/hosts lines. Daemons named in `wait_for` were
+        just spawned and may not have written their pid files yet: wait for those a little."""
+        deadline = time.monotonic() + grace_s
+        for name in wait_for:
+            while not self._daemon_pid(name) and time.monotonic() < deadline:
+                time.sleep(0.02)
         self._stop_daemons()
         self._rewrite_hosts(keep_ours=False)
 
-    # ---- status --------------------------------------------------------------------------------
     def status(self) -> ClusterStatus:
+        """Each daemon's pid and liveness, and `sinfo -N` while slurmctld runs."""
         daemons = []
         for name, path in self._pid_files().items():
-            pid = self._daemon_pid(name)
-            if pid is None:
-                with contextlib.suppress(OSError, ValueError, IndexError):
-                    pid = int(path.read_text().split()[0])
-            daemons.append(DaemonStatus(name=name, pid=pid, alive=self._daemon_pid(name)
-                                        is not None))
-        sinfo = ""
-        if any(d.alive and d.name == "slurmctld" for d in daemons):
-            proc = subprocess.run(["sinfo", "-N", "-o", "%N %T %G"], capture_output=True,
-                                  text=True, env=self.env(), check=False, timeout=10)
-            sinfo = (proc.stdout + proc.stderr).strip()
+            alive = self._live_pid(path) is not None
+            daemons.append(DaemonStatus(name=name, pid=_read_pid(path), alive=alive))
+        ctld_alive = any(d.alive and d.name == "slurmctld" for d in daemons)
+        sinfo = self._query("sinfo", "-N", "-o", "%N %T %G").strip() if ctld_alive else ""
         return ClusterStatus(daemons=daemons, sinfo=sinfo)
