@@ -5,8 +5,7 @@ started by hand (never as system services) and stopped by the PIDs in their pid 
 State dir (default `$GYRE_SLURM_STATE` or /tmp/gyre-localslurm): etc/slurm.conf + gres.conf
 (clients need `SLURM_CONF=STATE/etc/slurm.conf`), munge/ (key 0400, socket, pid), run/*.pid,
 log/ (munged, slurmctld, slurmd-nodeN, daemons.out, jobcomp.txt), ctld/ (saved state),
-spool/nodeN/, dev/nvidia0..3 (-> /dev/null), .lock (serialises up/down), users.lock and
-run/owner (see pytest_fixtures).
+spool/nodeN/, dev/nvidia0..3 (-> /dev/null), .lock (up/down), users.lock + run/owner (pytest).
 
 Nodes: nodeN has address 127.0.10.N (a line `127.0.10.N nodeN  # gyre-localslurm STATE` is
 added to /etc/hosts, rewritten in place, removed on down), slurmd port `node_port_base + N`,
@@ -107,15 +106,19 @@ def ensure_packages() -> None:
     """apt-get install the Slurm + munge packages when missing (update only if no candidate)."""
     if packages_installed():
         return
-    policy = subprocess.run(["apt-cache", "policy", "slurmctld"], capture_output=True,
-                            text=True, check=False).stdout
+    policy = _apt("apt-cache", "policy", "slurmctld")
     if "Candidate:" not in policy or "Candidate: (none)" in policy:
-        log.info("apt-get update (no candidate for slurmctld)")
-        subprocess.run(["apt-get", "update"], check=True, capture_output=True)
-    log.info("apt-get install %s", " ".join(PACKAGES))
-    subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES],
-                   check=True, capture_output=True,
-                   env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+        _apt("apt-get", "update")
+    _apt("apt-get", "install", "-y", "--no-install-recommends", *PACKAGES)
+
+
+def _apt(*argv: str) -> str:
+    log.info("%s", " ".join(argv))
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=600,
+                          env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr[-800:]}")
+    return proc.stdout
 
 
 def render_slurm_conf(*, state_dir: Path, num_nodes: int, ctld_port: int,
@@ -156,12 +159,6 @@ def _write(path: Path, data: str | bytes, mode: int = 0o644) -> None:
     os.replace(tmp, path)
 
 
-def _port_in_use(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
 class LocalCluster:
     """One local Slurm cluster: `up`, `down`, `status`, `env` (see the module docstring)."""
 
@@ -172,6 +169,7 @@ class LocalCluster:
         self.state_dir = Path(state_dir or default_state_dir()).resolve()
         self.num_nodes, self.ctld_port, self.node_port_base = num_nodes, ctld_port, node_port_base
         self.nodes = [f"node{n}" for n in range(1, num_nodes + 1)]
+        self._spawned: list[str] = []  # daemons the current `up` has started
 
     @property
     def conf_path(self) -> Path:
@@ -239,10 +237,11 @@ class LocalCluster:
                 return False
             ensure_packages()
             self._stop_daemons()  # leftovers of a half-dead cluster in this state dir
-            if _port_in_use(self.ctld_port):
-                raise RuntimeError(f"port {self.ctld_port} is in use: another local Slurm "
-                                   "cluster (other state dir) runs on this machine?")
-            self._spawned: list[str] = []
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", self.ctld_port)) == 0:
+                    raise RuntimeError(f"port {self.ctld_port} is in use: another local "
+                                       "Slurm cluster (other state dir) runs here?")
+            self._spawned = []
             try:
                 self._start(timeout_s=timeout_s)
             except BaseException:
@@ -262,7 +261,7 @@ class LocalCluster:
                                    f"--log-file={s}/log/munged.log",
                                    f"--seed-file={s}/munge/munged.seed"], out)
             self._wait_pid("munged", deadline)
-            self._spawn("slurmctld", ["slurmctld", "-f", conf], out)
+            self._spawn("slurmctld", ["slurmctld", "-c", "-f", conf], out)  # -c: no old jobs
             self._wait_pid("slurmctld", deadline)
             for node in self.nodes:
                 script = f'hostname {node} && exec slurmd -N {node} -f "$1"'
