@@ -22,3 +22,11 @@ def gyre():
         return proc
 
     return run
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(request):
+    """A real local Slurm cluster (tools/localslurm), started once per test session."""
+    from gyre_slurm.slurm import pytest_fixtures
+
+    yield from pytest_fixtures.slurm_cluster(request)

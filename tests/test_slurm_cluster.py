@@ -13,18 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from gyre_slurm.slurm import pytest_fixtures
 from gyre_slurm.slurm.localcluster import HOSTS_FILE, HOSTS_TAG, LocalCluster
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 
 CMD_TIMEOUT_S = 30
-
-
-@pytest.fixture(scope="session")
-def slurm_cluster(request):
-    yield from pytest_fixtures.slurm_cluster(request)
 
 
 @pytest.fixture

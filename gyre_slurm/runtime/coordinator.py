@@ -173,10 +173,12 @@ class Coordinator:
             loops = [self.policy_loop(), self.training_loop(), self.status_loop(),
                      self.watch_agents()]
             tasks = [asyncio.create_task(c) for c in loops]
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            try:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # also on a stop signal: no loop may act while the job shuts down
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
             for task in done:
                 if task.exception() is not None:
                     raise self.explain(task.exception())

@@ -1,0 +1,56 @@
+"""Checks of a finished run dir from its records (shared by the runtime and Slurm
+end-to-end tests): not from the coordinator's counters."""
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from gyre_slurm.runtime.fsio import read_jsonl
+from gyre_slurm.traj.process import process_run
+from gyre_slurm.traj.store import load_store
+
+
+def trained_trajectories(run_dir: Path) -> Counter:
+    """(run_id, token ids) of every trajectory in a trained micro-batch."""
+    seen = Counter()
+    for path in sorted((run_dir / "stream").glob("*.json")):
+        for t in json.loads(path.read_text()):
+            seen[(t["run_id"], tuple(t["token_ids"]))] += 1
+    return seen
+
+
+def expected_trajectories(run_dir: Path, max_per_run: int = 5) -> Counter:
+    """The same, rebuilt independently from the call store for every ok run."""
+    ok = {r["run_id"] for r in read_jsonl(run_dir / "runs" / "runs.jsonl") if r["status"] == "ok"}
+    loaded = load_store(run_dir)
+    want = Counter()
+    for rid in ok:
+        for t in process_run(loaded.runs[rid], max_per_run=max_per_run).trajectories:
+            want[(rid, tuple(t.token_ids.tolist()))] += 1
+    return want
+
+
+def check_run_dir(run_dir: Path, *, num_steps: int) -> list[dict]:
+    records = list(read_jsonl(run_dir / "runs" / "runs.jsonl"))
+    started = [r["run_id"] for r in read_jsonl(run_dir / "runs" / "started.jsonl")]
+    ended = {r["run_id"]: r for r in records}
+    # Every run that started ended for a reason of its own: none was killed by a handoff.
+    # Only a job kill leaves a run without a record, and then a later attempt of it ran.
+    assert set(ended) <= set(started)
+    for rid in set(started) - set(ended):
+        base = rid.split("-a")[0]
+        assert any(e.startswith(base + "-a") and e > rid for e in ended), rid
+    assert all(r["status"] == "ok" for r in records), [r for r in records if r["status"] != "ok"]
+    # Every ok run's trajectories are trained exactly once.
+    trained, expected = trained_trajectories(run_dir), expected_trajectories(run_dir)
+    assert trained == expected
+    assert max(trained.values()) == 1
+    events = list(read_jsonl(run_dir / "events.jsonl"))
+    steps = [e for e in events if e["kind"] == "step"]
+    assert [e["step"] for e in steps][-num_steps:] == list(range(num_steps))[-len(steps):]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["final"] and status["version"] == num_steps
+    latest = (run_dir / "checkpoints" / "latest").read_text()
+    assert (run_dir / "checkpoints" / latest / "trainer.pt").is_file()
+    assert oct((run_dir / "secret").stat().st_mode & 0o777) == "0o600"
+    return events

@@ -1,0 +1,126 @@
+"""The job on a real local Slurm cluster (4 slurmd nodes on loopback, tools/localslurm):
+`sbatch sbatch/gyre.sbatch`, preemption by USR2 with requeue, `gyre submit`."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gyre_slurm.runtime.fsio import read_jsonl
+from runtime_checks import check_run_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+def small_config(tmp_path: Path, **runtime) -> Path:
+    cfg = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    cfg["workload"].update(num_steps=4, prompts_per_step=2, group_size=4)
+    cfg["workload"]["duration"] = {"mean_s": 1.0, "sigma": 0.5}
+    cfg["scheduler"].update(confirm_s=0.3, min_dwell_s=0.5, forecast=False, hysteresis=0.0)
+    cfg["runtime"].update(runs_per_cell=4, max_tokens=8, policy_interval_s=0.2,
+                          env_params={"tool_mean_s": 1.0, "tool_sigma": 0.5, "tool_max_s": 3.0})
+    cfg["runtime"].update(runtime)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def sbatch(cluster, *args: str) -> str:
+    env = dict(cluster.env(), GYRE_ROOT=str(ROOT))
+    proc = subprocess.run(["sbatch", "--parsable", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def job_state(cluster, job: str) -> tuple[str, int]:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], env=cluster.env(),
+                         capture_output=True, text=True, timeout=30).stdout
+    fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+    return fields.get("JobState", "UNKNOWN"), int(fields.get("Restarts", "0"))
+
+
+def wait_done(cluster, job: str, *, timeout_s: float = 420) -> tuple[str, int]:
+    deadline = time.time() + timeout_s
+    state = ("UNKNOWN", 0)
+    while time.time() < deadline:
+        state = job_state(cluster, job)
+        if state[0] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return state
+        time.sleep(1.0)
+    subprocess.run(["scancel", job], env=cluster.env(), timeout=30)
+    pytest.fail(f"job {job} not done after {timeout_s}s (last state {state})")
+
+
+def wait_version(run_dir: Path, version: int, *, timeout_s: float = 300) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        status = run_dir / "status.json"
+        if status.exists():
+            try:
+                if json.loads(status.read_text()).get("version", 0) >= version:
+                    return
+            except ValueError:
+                pass
+        time.sleep(0.3)
+    pytest.fail(f"{run_dir} never reached version {version}")
+
+
+def test_sbatch_runs_the_tiny_job_with_handoffs(slurm_cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    job = sbatch(slurm_cluster, f"--output={tmp_path}/job-%j.out",
+                 str(ROOT / "sbatch" / "gyre.sbatch"), str(small_config(tmp_path)), str(run_dir))
+    state, _ = wait_done(slurm_cluster, job)
+    log = (tmp_path / f"job-{job}.out").read_text()
+    assert state == "COMPLETED", log[-3000:]
+    events = check_run_dir(run_dir, num_steps=4)
+    # the node agents ran as one srun step, one per Slurm node, on the nodes' addresses
+    agents = [e for e in events if e["kind"] == "agent_registered"]
+    assert sorted(e["node"] for e in agents) == [0, 1, 2, 3]
+    assert {e["url"].split("//")[1].split(":")[0] for e in agents} == \
+        {"127.0.10.1", "127.0.10.2", "127.0.10.3", "127.0.10.4"}
+    status = json.loads((run_dir / "status.json").read_text())
+    assert [c["nodes"] for c in status["cells"]] == [["node1"], ["node2"], ["node3"], ["node4"]]
+    directions = Counter(e["direction"] for e in events if e["kind"] == "handoff")
+    assert directions["rollout->train"] >= 1, directions
+    assert (run_dir / "logs" / "agent-node3.log").exists()
+
+
+def test_usr2_requeues_and_the_job_resumes_losing_nothing(slurm_cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    job = sbatch(slurm_cluster, f"--output={tmp_path}/job-%j.out",
+                 str(ROOT / "sbatch" / "gyre.sbatch"),
+                 str(small_config(tmp_path)), str(run_dir))
+    wait_version(run_dir, 2)
+    before = {r["run_id"] for r in read_jsonl(run_dir / "runs" / "runs.jsonl")}
+    subprocess.run(["scancel", "--batch", "--signal=USR2", job], env=slurm_cluster.env(),
+                   check=True, timeout=30)
+    state, restarts = wait_done(slurm_cluster, job)
+    log = (tmp_path / f"job-{job}.out").read_text()
+    assert state == "COMPLETED" and restarts >= 1, (state, restarts, log[-3000:])
+    events = check_run_dir(run_dir, num_steps=4)
+    kinds = [e["kind"] for e in events]
+    assert "requeue" in kinds and "resume" in kinds
+    after = {r["run_id"] for r in read_jsonl(run_dir / "runs" / "runs.jsonl")}
+    assert before <= after
+
+
+def test_gyre_submit_end_to_end(slurm_cluster, tmp_path):
+    run_dir = tmp_path / "submitted"
+    env = dict(slurm_cluster.env(), PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "gyre_slurm", "submit",
+                           str(small_config(tmp_path)), "--run-dir", str(run_dir)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.split("submitted job ")[1].split(";")[0]
+    assert str(run_dir) in proc.stdout
+    state, _ = wait_done(slurm_cluster, job)
+    assert state == "COMPLETED", (run_dir / "logs" / f"slurm-{job}.out").read_text()[-3000:]
+    check_run_dir(run_dir, num_steps=4)
