@@ -16,6 +16,7 @@ SUBCOMMAND_MODULES = (
     "gyre_slurm.sim.cli",
     "gyre_slurm.traj.cli",
     "gyre_slurm.runtime.cli",
+    "gyre_slurm.monitor.cli",
 )
 
 
