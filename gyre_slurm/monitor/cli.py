@@ -71,8 +71,7 @@ def make_console():
 
     if sys.stdout.isatty():
         return Console()
-    return Console(width=int(os.environ.get("COLUMNS", "140")), no_color=False,
-                   force_terminal=False)
+    return Console(width=int(os.environ.get("COLUMNS", "140")))  # FORCE_COLOR=1: colours
 
 
 def live(console, run_dir: Path, tail, *, refresh_s: float) -> int:

@@ -3,8 +3,9 @@
 Sections, top to bottom: header (run dir, policy, version/num_steps, elapsed, age of
 status.json: yellow when > 10 s old and not final, red when > 60 s), step progress bar with
 ETA, one row per cell (role in the simulator's colours, runs served, last 40 s of roles as
-R/T/-), waterlevel sparkline (status.json waterlevel_history), throughput and busy figures,
-run counts and recent rewards, the latest events with their reasons, failures in red.
+R/T/-), failures in red (kept high so they fit a small screen), waterlevel sparkline
+(status.json waterlevel_history), throughput and busy figures (see model.py), run counts,
+recent rewards, the latest events with their reasons.
 """
 
 from __future__ import annotations
@@ -141,7 +142,12 @@ def frame(snap: model.Snapshot, *, events_shown: int = 10) -> Group:
     if snap.status is None and not snap.events:
         return Group(*parts)
     segs, span_s = model.segments(snap)
-    parts += [progress(snap), cells_table(snap, segs, span_s), figures(snap, segs, span_s)]
+    parts += [progress(snap), cells_table(snap, segs, span_s)]
+    fails = model.failures(snap)
+    if fails:  # above the figures: what went wrong must fit on a small screen
+        parts.append(Text(f"FAILURES ({len(fails)}):", style="bold red"))
+        parts += [describe(snap, e) for e in fails[-5:]]
+    parts.append(figures(snap, segs, span_s))
     rewards = (snap.status or {}).get("rewards", [])[-5:]
     if rewards:
         parts.append(Text("rewards: " + ", ".join(
@@ -149,8 +155,4 @@ def frame(snap: model.Snapshot, *, events_shown: int = 10) -> Group:
     shown = [e for e in snap.events if e["kind"] in SHOWN_KINDS][-events_shown:]
     parts.append(Text("latest events:", style="bold"))
     parts += [describe(snap, e) for e in shown] or [Text("  (none yet)")]
-    fails = model.failures(snap)
-    if fails:
-        parts.append(Text(f"FAILURES ({len(fails)}):", style="bold red"))
-        parts += [describe(snap, e) for e in fails[-5:]]
     return Group(*parts)
