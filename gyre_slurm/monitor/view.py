@@ -74,6 +74,8 @@ def cells_table(snap: model.Snapshot, segs: list, span_s: float) -> Table:
         role, target = c.get("role", "?"), c.get("target")
         label = f"{role} -> {target}" if target else role
         strip = model.role_strip(segs, c["cell"], span_end_s=span_s, width=STRIP_S)
+        if strip and not snap.status.get("final"):  # now: status.json knows a handoff
+            strip = strip[:-1] + {"rollout": "R", "train": "T", "failed": "X"}.get(role, "-")
         table.add_row(Text(f"cell {c['cell']} [{','.join(c.get('nodes', []))}]"),
                       Text(label, style=role_style(role, target)), Text(str(c.get("runs", 0))),
                       strip_text(strip))
