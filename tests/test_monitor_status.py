@@ -131,6 +131,33 @@ def test_torn_last_line_and_bad_status_are_tolerated(run_dir):
     assert "FAILURES (1):" in proc.stdout  # events are still shown
 
 
+def check_segments(segs: list, span_s: float) -> None:
+    """Each cell's segments run back to back (gaps only where a job stopped)."""
+    for cell in {s[0] for s in segs}:
+        mine = [s for s in segs if s[0] == cell]
+        assert all(t1 >= t0 - 1e-9 for _, t0, t1, _ in mine)
+        assert mine[-1][2] == pytest.approx(span_s)
+        for a, b in zip(mine, mine[1:]):
+            assert b[1] >= a[2] - 1e-6
+
+
+def test_role_segments_follow_handoffs_and_a_resume(source_run):
+    events = list(model.EventTail(source_run / "events.jsonl").poll())
+    segs, span_s = model.role_segments(events)
+    check_segments(segs, span_s)
+    handoffs = [e for e in events if e["kind"] == "handoff"]
+    moving = sum(t1 - t0 for _, t0, t1, lab in segs if "->" in lab)
+    assert moving == pytest.approx(sum(e["total_s"] * len(e["cells"]) for e in handoffs))
+    # The same job resumed 100 s later: a second layout restarts every cell's roles.
+    later = [dict(e, t=e["t"] + 100) for e in events
+             if e["kind"] not in ("start", "finish") and e["t"] > 1e8]
+    segs2, span2 = model.role_segments(events + later)
+    check_segments(segs2, span2)
+    assert span2 == pytest.approx(max(e["t"] for e in later) - model.Snapshot(
+        run_dir=source_run, status=None, events=events).start_t)
+    assert len(segs2) == 2 * len(segs)
+
+
 def test_report_writes_a_png(run_dir, tmp_path):
     out = tmp_path / "report.png"
     proc = gyre("report", str(run_dir), "-o", str(out))
@@ -171,8 +198,8 @@ def test_live_view_under_tmux(run_dir, tmp_path, key):
         pytest.skip("tmux not installed and apt-get could not install it")
     sock = str(tmp_path / "tmux.sock")
     done = tmp_path / "exit-code"
-    cmd = (f"env -u COLUMNS -u LINES PYTHONPATH={ROOT} {sys.executable} -m gyre_slurm status {run_dir} "
-           f"--refresh-s 0.3; echo $? > {done}; sleep 30")
+    cmd = (f"env -u COLUMNS -u LINES PYTHONPATH={ROOT} {sys.executable} -m gyre_slurm "
+           f"status {run_dir} --refresh-s 0.3; echo $? > {done}; sleep 30")
     subprocess.run(["tmux", "-S", sock, "new-session", "-d", "-s", "mon", "-x", "150", "-y",
                     "50", cmd], check=True, timeout=10)
     try:

@@ -2,7 +2,7 @@
 `gyre report RUN_DIR -o OUT.png`.
 
 `status` with neither --once nor --json is a live view (rich Live, redrawn every
---refresh-s; `q` or Ctrl-C quits). --once prints one frame (plain text when stdout is not
+--refresh-s; `q` or Ctrl-C quits) when stdout is a terminal, else one frame. --once prints one frame (plain text when stdout is not
 a terminal); --json prints status.json. A run dir that does not exist is an error (exit 2);
 one that exists but has no status.json yet shows "waiting for status.json" (live) or is an
 error for --json. An all-digits argument is a Slurm job id (see monitor/slurm.py).
@@ -60,7 +60,7 @@ def status(args: argparse.Namespace) -> int:
         return 0
     console = make_console()
     tail = model.EventTail(run_dir / "events.jsonl")
-    if args.once:
+    if args.once or not console.is_terminal:  # a pipe or a file gets one frame
         console.print(view.frame(model.load(run_dir, tail)))
         return 0
     return live(console, run_dir, tail, refresh_s=max(0.1, args.refresh_s))

@@ -101,11 +101,10 @@ class Snapshot:
 
     @property
     def end_t(self) -> float:
-        fin = next((e["t"] for e in self.events if e["kind"] == "finish"), None)
-        if fin is not None:
-            return fin
         if self.status and self.status.get("final"):
             return self.status["t"]
+        if self.events and self.events[-1]["kind"] == "finish":
+            return self.events[-1]["t"]
         return self.now
 
     def of_kind(self, *kinds: str) -> list[dict]:
@@ -114,33 +113,47 @@ class Snapshot:
 
 def role_segments(events: list[dict], *, end_t: float | None = None
                   ) -> tuple[list[tuple[int, float, float, str]], float]:
-    """Per cell (cell, t0, t1, label), seconds since `start`, and the span covered."""
+    """Per cell (cell, t0, t1, label), seconds since the first `start`, and the span.
+
+    A later `layout` (a resumed run) ends every cell's segment at the last event before it
+    (about when the old job stopped); the gap until the new layout has no segment."""
     start = next(e["t"] for e in events if e["kind"] == "start")
     if end_t is None:
-        end_t = next((e["t"] for e in events if e["kind"] == "finish"), events[-1]["t"])
-    layout = next(e for e in events if e["kind"] == "layout")
-    role = dict(enumerate(layout["roles"]))
-    since = {i: 0.0 for i in role}
+        end_t = max(e["t"] for e in events if e["t"] > 1e8)
+    role: dict[int, str] = {}
+    since: dict[int, float] = {}
     segs = []
+    prev_t = start
     for e in events:
-        if e["kind"] != "handoff" or e["t"] < start:
-            continue
-        to = e["direction"].split("->")[1]
-        t_end = e["t"] - start
-        t_begin = max(0.0, t_end - e.get("total_s", 0.0))
-        t_loaded = min(t_end, t_begin + e.get("drain_s", 0.0))
-        for c in e["cells"]:
-            segs.append((c, since.get(c, 0.0), t_begin, role.get(c, "rollout")))
-            segs.append((c, t_begin, t_loaded, f"draining->{to}"))
-            segs.append((c, t_loaded, t_end, f"loading->{to}"))
-            role[c], since[c] = to, t_end
+        if e["kind"] == "layout" and e["t"] >= prev_t:
+            for c in role:
+                segs.append((c, since[c], max(since[c], prev_t - start), role[c]))
+            role = dict(enumerate(e["roles"]))
+            since = {c: max(0.0, e["t"] - start) for c in role}
+        elif e["kind"] == "handoff" and e["t"] >= start:
+            handoff_segments(e, start=start, role=role, since=since, out=segs)
+        if e["t"] > 1e8:  # unix times only (decisions use the policy clock)
+            prev_t = e["t"]
     for c in role:
         segs.append((c, since[c], end_t - start, role[c]))
     return segs, end_t - start
 
 
+def handoff_segments(e: dict, *, start: float, role: dict, since: dict, out: list) -> None:
+    """A handoff's cells: old role until it began, draining, loading, then the new role."""
+    to = e["direction"].split("->")[1]
+    t_end = e["t"] - start
+    t_begin = max(0.0, t_end - e.get("total_s", 0.0))
+    t_loaded = min(t_end, t_begin + e.get("drain_s", 0.0))
+    for c in e["cells"]:
+        out.append((c, since.get(c, 0.0), t_begin, role.get(c, "rollout")))
+        out.append((c, t_begin, t_loaded, f"draining->{to}"))
+        out.append((c, t_loaded, t_end, f"loading->{to}"))
+        role[c], since[c] = to, t_end
+
+
 def segments(snap: Snapshot) -> tuple[list[tuple[int, float, float, str]], float]:
-    if snap.start_t is None or not snap.of_kind("layout"):
+    if snap.start_t is None or not snap.of_kind("layout") or snap.end_t < snap.start_t:
         return [], 0.0
     return role_segments(snap.events, end_t=snap.end_t)
 
