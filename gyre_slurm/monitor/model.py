@@ -21,6 +21,10 @@ Derived figures (all from events unless said otherwise):
   train compute   sum of `microbatch` + `step` seconds / seconds since start: the share of
                   wall time the train world spent computing (0 when it is idle waiting
                   for trajectories or rebuilding).
+  rollout slots   mean over status.json waterlevel_history samples (those with a rollout
+                  cell) of in_flight / (rollout_cells x runtime.runs_per_cell from the run
+                  dir's config.yaml): how full the rollout cells' run slots were. The
+                  waterlevel itself is (in_flight + queued) / runs_per_cell: demand in cells.
 """
 
 from __future__ import annotations
@@ -208,6 +212,25 @@ def busy(snap: Snapshot, segs: list, span_s: float) -> dict:
     compute = sum(e.get("seconds", 0.0) for e in snap.of_kind("microbatch", "step"))
     return {"in_role": 1 - moving / total if total > 0 else None,
             "train_compute": min(1.0, compute / span_s)}
+
+
+def runs_per_cell(run_dir: Path) -> int | None:
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        return int(cfg["runtime"]["runs_per_cell"])
+    except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
+        return None
+
+
+def rollout_occupancy(status: dict | None, per_cell: int | None) -> float | None:
+    samples = [w for w in (status or {}).get("waterlevel_history", [])
+               if w.get("rollout_cells")]
+    if not samples or not per_cell:
+        return None
+    return sum(min(1.0, w.get("in_flight", 0) / (w["rollout_cells"] * per_cell))
+               for w in samples) / len(samples)
 
 
 def failures(snap: Snapshot) -> list[dict]:

@@ -2,7 +2,8 @@
 
 Panels: (1) cell roles over time (seconds since `start`; segments from
 `model.role_segments`, colours of gyre_slurm/sim/report.py ROLE_COLORS); (2) waterlevel
-(status.json waterlevel_history: demand per rollout cell) with the rollout-cell count;
+(status.json waterlevel_history: runs in flight + queued / runs_per_cell, i.e. demand in
+cells) with the rollout-cell count, both in cells;
 (3) mean reward per step (`step` events); (4) throughput per step: trajectories/s and
 tokens/s over the time since the previous step (`model.step_rates`).
 """
@@ -40,8 +41,8 @@ def draw_waterlevel(ax, snap: model.Snapshot, *, span_s: float) -> None:
     ax.step(ts, [w.get("rollout_cells", 0) for w in hist], where="post", color="#2ca02c",
             alpha=0.6, label="rollout cells")
     ax.set_xlabel("seconds since start (status.json keeps the last 300 samples)")
-    ax.set_ylabel("runs per rollout cell")
-    ax.set_title("waterlevel (in flight + queued, per rollout cell)")
+    ax.set_ylabel("cells")
+    ax.set_title("waterlevel: runs in flight + queued, in cells of runs_per_cell; and rollout cells")
     if hist:
         ax.legend(loc="upper right", fontsize=8)
     ax.set_xlim(0, max(span_s, 1e-3))

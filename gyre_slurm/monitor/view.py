@@ -94,7 +94,7 @@ def figures(snap: model.Snapshot, segs: list, span_s: float) -> Group:
     st = snap.status or {}
     hist = [w.get("waterlevel", 0.0) for w in st.get("waterlevel_history", [])]
     wl = st.get("waterlevel") or {}
-    lines = [Text(f"waterlevel {sparkline(hist)} now {wl.get('waterlevel', 0):.2f} "
+    lines = [Text(f"waterlevel {sparkline(hist)} now {wl.get('waterlevel', 0):.2f} cells "
                   f"({wl.get('in_flight', 0)} in flight, {wl.get('queued', 0)} queued, "
                   f"{wl.get('rollout_cells', 0)} rollout / {wl.get('train_cells', 0)} train "
                   "cells)")]
@@ -102,9 +102,11 @@ def figures(snap: model.Snapshot, segs: list, span_s: float) -> Group:
     b = model.busy(snap, segs, span_s)
     pct = lambda x: "n/a" if x is None else f"{100 * x:.0f}%"  # noqa: E731
     lines.append(Text(f"throughput (last {tp['window_s']:.0f}s): rollout "
-                      f"{tp['runs_per_min']:.1f} runs/min, train {tp['tokens_per_s']:.1f} "
-                      f"tokens/s; in-role {pct(b['in_role'])} of cell time, train compute "
-                      f"{pct(b['train_compute'])} of wall time"))
+                      f"{tp['runs_per_min']:.1f} runs/min, train {tp['tokens_per_s']:.1f} tokens/s"))
+    occupancy = model.rollout_occupancy(st, model.runs_per_cell(snap.run_dir))
+    lines.append(Text(f"busy: in-role {pct(b['in_role'])} of cell time, train compute "
+                      f"{pct(b['train_compute'])} of wall time, rollout slots "
+                      f"{pct(occupancy)} full"))
     if st.get("runs"):
         lines.append(Text("runs: " + ", ".join(f"{k} {v}" for k, v in st["runs"].items())))
     train = st.get("train") or {}
