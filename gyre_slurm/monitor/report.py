@@ -42,7 +42,8 @@ def draw_waterlevel(ax, snap: model.Snapshot, *, span_s: float) -> None:
             alpha=0.6, label="rollout cells")
     ax.set_xlabel("seconds since start (status.json keeps the last 300 samples)")
     ax.set_ylabel("cells")
-    ax.set_title("waterlevel: runs in flight + queued, in cells of runs_per_cell; and rollout cells")
+    ax.set_title("waterlevel: runs in flight + queued, in cells of runs_per_cell; "
+                 "and rollout cells")
     if hist:
         ax.legend(loc="upper right", fontsize=8)
     ax.set_xlim(0, max(span_s, 1e-3))
@@ -68,7 +69,8 @@ def draw_throughput(ax, events: list[dict]) -> None:
     ax2.plot(xs, [r["trajectories_per_s"] for r in rates], color="#2ca02c", marker="o",
              ms=3, label="trajectories/s")
     ax2.set_ylabel("trajectories/s")
-    ax.set_title("throughput per step (over the time since the previous step)")
+    ax.set_title("throughput per step (wall time since the previous step;\n"
+                 "streamed steps can finish in bursts)", fontsize=10)
 
 
 def write_report(run_dir: Path, out: Path) -> None:

@@ -102,7 +102,8 @@ def figures(snap: model.Snapshot, segs: list, span_s: float) -> Group:
     b = model.busy(snap, segs, span_s)
     pct = lambda x: "n/a" if x is None else f"{100 * x:.0f}%"  # noqa: E731
     lines.append(Text(f"throughput (last {tp['window_s']:.0f}s): rollout "
-                      f"{tp['runs_per_min']:.1f} runs/min, train {tp['tokens_per_s']:.1f} tokens/s"))
+                      f"{tp['runs_per_min']:.1f} runs/min, train {tp['tokens_per_s']:.1f} "
+                      "tokens/s"))
     occupancy = model.rollout_occupancy(st, model.runs_per_cell(snap.run_dir))
     lines.append(Text(f"busy: in-role {pct(b['in_role'])} of cell time, train compute "
                       f"{pct(b['train_compute'])} of wall time, rollout slots "
