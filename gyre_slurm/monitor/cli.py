@@ -3,9 +3,9 @@
 
 `status` with neither --once nor --json is a live view (rich Live, redrawn every
 --refresh-s; `q` or Ctrl-C quits) when stdout is a terminal, else one frame. --once
-prints one frame (plain text when stdout is not a terminal); --json prints status.json. A run dir that does not exist is an error (exit 2);
-one that exists but has no status.json yet shows "waiting for status.json" (live) or is an
-error for --json. An all-digits argument is a Slurm job id (see monitor/slurm.py).
+prints one frame (plain text when stdout is not a terminal); --json prints status.json.
+A run dir that does not exist is an error (exit 2); one that exists but has no
+status.json yet shows "waiting for status.json", or is an error for --json. An all-digits argument is a Slurm job id (see monitor/slurm.py).
 """
 
 from __future__ import annotations
