@@ -84,6 +84,30 @@ def test_once_shows_header_cells_progress_and_events(run_dir):
     assert "FAILURES" not in out
 
 
+def cut_to_mid_run(run_dir: Path, *, status_age_s: float) -> dict:
+    """Make the copy look like a live run after its first step: events up to that step,
+    status.json not final and `status_age_s` old."""
+    lines = (run_dir / "events.jsonl").read_text().splitlines(keepends=True)
+    first_step = next(i for i, line in enumerate(lines) if '"kind": "step"' in line)
+    (run_dir / "events.jsonl").write_text("".join(lines[:first_step + 1]))
+    status = json.loads((run_dir / "status.json").read_text())
+    status.update(final=False, version=1, t=time.time() - status_age_s)
+    (run_dir / "status.json").write_text(json.dumps(status))
+    return status
+
+
+def test_a_live_run_shows_an_eta_and_a_stale_status(run_dir):
+    status = cut_to_mid_run(run_dir, status_age_s=0)
+    out = gyre("status", str(run_dir), "--once").stdout
+    assert f"step 1/{status['num_steps']}" in out and "ETA" in out
+    assert "(final)" not in out and "(stale)" not in out
+    cut_to_mid_run(run_dir, status_age_s=30)
+    out = gyre("status", str(run_dir), "--once").stdout
+    assert "status 30s old (stale)" in out
+    coloured = gyre("status", str(run_dir), "--once", env={"FORCE_COLOR": "1"}).stdout
+    assert "\x1b[33mstatus 30s old (stale)" in coloured  # yellow
+
+
 def test_failures_are_listed_in_red(run_dir):
     append_event(run_dir, AGENT_LOST)
     append_event(run_dir, {"kind": "run_end", "run_id": "s0009-p000-g00", "status": "failed",

@@ -13,7 +13,7 @@ Derived figures (all from events unless said otherwise):
   role segments   per cell, (cell, t0, t1, label) seconds since the `start` event: the
                   layout roles, then per `handoff` its cells spend [t - total_s,
                   t - total_s + drain_s] draining and the rest of total_s loading.
-  step ETA        mean seconds between consecutive `step` events x steps left.
+  step ETA        (last `step` event - `start`) / steps seen x steps left.
   rollout rate    `run_end` events with status ok in the last 60 s (runs/min).
   train rate      tokens of `microbatch` events in the last 60 s / 60 (tokens/s).
   in-role         1 - (cell-seconds draining or loading) / (cell-seconds since start):
@@ -182,11 +182,11 @@ def step_progress(snap: Snapshot) -> dict:
     done = snap.status.get("version", len(steps)) if snap.status else len(steps)
     total = snap.status.get("num_steps") if snap.status else None
     eta_s = None
-    times = [e["t"] for e in steps]
-    if total and len(times) >= 2 and done < total:
-        eta_s = (times[-1] - times[0]) / (len(times) - 1) * (total - done)
-    elif total and len(times) == 1 and done < total and snap.start_t is not None:
-        eta_s = (times[0] - snap.start_t) * (total - done)
+    start = snap.start_t
+    if total and steps and done < total and start is not None:
+        # Mean wall time per step since start: steps that streamed in a burst do not
+        # make the rest look instant.
+        eta_s = (steps[-1]["t"] - start) / len(steps) * (total - done)
     return {"done": done, "total": total, "eta_s": eta_s}
 
 

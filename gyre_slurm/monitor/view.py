@@ -42,7 +42,8 @@ def sparkline(values: list[float], *, width: int = 60) -> str:
 
 def header(snap: model.Snapshot) -> Text:
     st = snap.status
-    text = Text(f"{snap.run_dir}: ", style="bold")
+    text = Text()
+    text.append(f"{snap.run_dir}: ", style="bold")
     if st is None:
         return text.append("waiting for status.json", style="yellow")
     age = snap.now - st.get("t", snap.now)
@@ -70,11 +71,14 @@ def cells_table(snap: model.Snapshot, segs: list, span_s: float) -> Table:
     table = Table(box=None, padding=(0, 1), show_edge=False)
     for col in ("cell", "role", "runs", f"last {STRIP_S}s (R rollout, T train, - handoff)"):
         table.add_column(col, no_wrap=True)
+    last_handoff_t = max((e["t"] for e in snap.of_kind("handoff")), default=0.0)
+    fresh = bool(snap.status) and not snap.status.get("final") and \
+        snap.status.get("t", 0.0) >= last_handoff_t
     for c in snap.status.get("cells", []) if snap.status else []:
         role, target = c.get("role", "?"), c.get("target")
         label = f"{role} -> {target}" if target else role
         strip = model.role_strip(segs, c["cell"], span_end_s=span_s, width=STRIP_S)
-        if strip and not snap.status.get("final"):  # now: status.json knows a handoff
+        if strip and fresh:  # now: a handoff under way shows in status.json first
             strip = strip[:-1] + {"rollout": "R", "train": "T", "failed": "X"}.get(role, "-")
         table.add_row(Text(f"cell {c['cell']} [{','.join(c.get('nodes', []))}]"),
                       Text(label, style=role_style(role, target)), Text(str(c.get("runs", 0))),
