@@ -165,10 +165,12 @@ def segments(snap: Snapshot) -> tuple[list[tuple[int, float, float, str]], float
 def role_strip(segs: list, cell: int, *, span_end_s: float, width: int = 40,
                step_s: float = 1.0) -> str:
     """The cell's role over the last `width` x `step_s` seconds: R, T, - (handoff), ' '."""
+    since = span_end_s - width * step_s
+    mine = [s for s in segs if s[0] == cell and s[2] >= since]
     out = []
     for i in range(width):
         t = span_end_s - (width - 1 - i) * step_s
-        label = next((s[3] for s in segs if s[0] == cell and s[1] <= t < s[2] + 1e-9), None)
+        label = next((s[3] for s in mine if s[1] <= t < s[2] + 1e-9), None)
         if label is None or t < 0:
             out.append(" ")
         else:
