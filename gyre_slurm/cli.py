@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES = (
     "gyre_slurm.traj.cli",
     "gyre_slurm.runtime.cli",
     "gyre_slurm.slurm.cli",
+    "gyre_slurm.monitor.cli",
 )
 
 

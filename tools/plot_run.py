@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Draw a run's reward curve and cell-role timeline from its events.jsonl.
+"""Draw a run's reward curve and cell-role timeline from its events.jsonl (`gyre report`
+draws more: this stays for the README's figure).
 
     tools/gyre-env python tools/plot_run.py RUN_DIR OUT.png [--chance 0.198]
 """
@@ -13,31 +14,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gyre_slurm.runtime.fsio import read_jsonl  # noqa: E402
+from gyre_slurm.monitor.model import role_segments  # noqa: E402
 from gyre_slurm.sim.report import ROLE_COLORS  # noqa: E402
-
-
-def role_segments(events: list[dict]) -> tuple[list[tuple[int, float, float, str]], float]:
-    start = next(e["t"] for e in events if e["kind"] == "start")
-    end = next((e["t"] for e in events if e["kind"] == "finish"), events[-1]["t"])
-    layout = next(e for e in events if e["kind"] == "layout")
-    role = {i: r for i, r in enumerate(layout["roles"])}
-    since = {i: 0.0 for i in role}
-    segs = []
-    for e in events:
-        if e["kind"] != "handoff":
-            continue
-        to = e["direction"].split("->")[1]
-        t_end = e["t"] - start
-        t_begin = max(0.0, t_end - e["total_s"])
-        t_loaded = min(t_end, t_begin + e.get("drain_s", 0.0))
-        for c in e["cells"]:
-            segs.append((c, since[c], t_begin, role[c]))
-            segs.append((c, t_begin, t_loaded, f"draining->{to}"))
-            segs.append((c, t_loaded, t_end, f"loading->{to}"))
-            role[c], since[c] = to, t_end
-    for c in role:
-        segs.append((c, since[c], end - start, role[c]))
-    return segs, end - start
 
 
 def main() -> None:

@@ -1,13 +1,11 @@
-"""`gyre run CONFIG --run-dir DIR [--resume]` and `gyre status RUN_DIR --once [--json]`."""
+"""`gyre run CONFIG --run-dir DIR [--resume]`. (`gyre status` lives in gyre_slurm/monitor.)"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import signal
 import sys
-import time
 from pathlib import Path
 
 from gyre_slurm.config.cli import add_set_argument
@@ -23,11 +21,6 @@ def register(subparsers) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run dir from `latest`")
     add_set_argument(p)
     p.set_defaults(func=run)
-    s = subparsers.add_parser("status", help="show a run's status.json")
-    s.add_argument("run_dir", type=Path)
-    s.add_argument("--once", action="store_true", help="print once and exit (default)")
-    s.add_argument("--json", action="store_true", help="print status.json as JSON")
-    s.set_defaults(func=status)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,33 +66,3 @@ async def _run_until_signal(coordinator) -> int:
         print("gyre run: stopped by a signal; continue with --resume", file=sys.stderr)
         return 143
 
-
-def status(args: argparse.Namespace) -> int:
-    path = args.run_dir / "status.json"
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path} does not exist: is {args.run_dir} a run dir, and has it "
-                        "started?") from None
-    except ValueError as exc:
-        raise UserError(f"{path} is not valid JSON ({exc})") from None
-    if args.json:
-        json.dump(data, sys.stdout, indent=1)
-        print()
-        return 0
-    age = time.time() - data.get("t", 0)
-    print(f"{args.run_dir}: policy {data['policy']}, version {data['version']}/"
-          f"{data['num_steps']}, {data['elapsed_s']:.0f}s elapsed, status {age:.0f}s old"
-          f"{' (final)' if data.get('final') else ''}")
-    runs = data["runs"]
-    print("runs: " + ", ".join(f"{k} {v}" for k, v in runs.items()))
-    train = data["train"]
-    print(f"train world: generation {train['generation']}, nodes {train['members']}, "
-          f"{train['ready_tokens']} tokens ready")
-    for cell in data["cells"]:
-        target = f" -> {cell['target']}" if cell["target"] else ""
-        print(f"  cell {cell['cell']} [{','.join(cell['nodes'])}]: {cell['role']}{target}, "
-              f"{cell['runs']} runs")
-    for r in data.get("rewards", [])[-5:]:
-        print(f"  step {r['step']}: mean reward {r['mean_reward']:.3f} ({r['runs_ok']} ok runs)")
-    return 0

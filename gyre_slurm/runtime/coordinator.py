@@ -231,6 +231,7 @@ class Coordinator:
             for d in decisions:
                 fields = d.as_event(time.time() - self.t0)
                 fields.pop("kind")
+                fields["t_run_s"] = fields.pop("t")  # seconds into this coordinator's life
                 self.rd.event("decision", **fields)
             if decisions:
                 handoff.start(self, decisions)

@@ -1,0 +1,128 @@
+"""`gyre status RUN_DIR|JOBID [--once] [--json] [--refresh-s S]` and
+`gyre report RUN_DIR -o OUT.png`.
+
+`status` with neither --once nor --json is a live view (rich Live, redrawn every
+--refresh-s; `q` or Ctrl-C quits) when stdout is a terminal, else one frame. --once
+prints one frame (plain text when stdout is not a terminal); --json prints status.json.
+A run dir that does not exist is an error (exit 2); one that exists but has no
+status.json yet shows "waiting for status.json", or is an error for --json. An all-digits argument is a Slurm job id (see monitor/slurm.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from gyre_slurm.errors import UserError
+
+
+def register(subparsers) -> None:
+    s = subparsers.add_parser("status", help="watch a run (live), or print it once")
+    s.add_argument("target", metavar="RUN_DIR|JOBID", help="a run dir, or a Slurm job id")
+    s.add_argument("--once", action="store_true", help="print one frame and exit")
+    s.add_argument("--json", action="store_true", help="print status.json as JSON")
+    s.add_argument("--refresh-s", type=float, default=1.0, help="live redraw period")
+    s.set_defaults(func=status)
+    r = subparsers.add_parser("report", help="draw a run's timeline, waterlevel, rewards")
+    r.add_argument("run_dir", type=Path)
+    r.add_argument("-o", "--out", type=Path, default=Path("report.png"))
+    r.set_defaults(func=report)
+
+
+def resolve_target(target: str) -> Path:
+    from gyre_slurm.monitor.slurm import find_run_dir
+
+    run_dir = find_run_dir(target) if target.isdigit() else Path(target)
+    if not run_dir.is_dir():
+        raise UserError(f"run dir {run_dir} does not exist")
+    return run_dir
+
+
+def status(args: argparse.Namespace) -> int:
+    from gyre_slurm.monitor import model, view
+
+    run_dir = resolve_target(args.target)
+    if args.json:
+        path = run_dir / "status.json"
+        if not path.is_file():
+            raise UserError(f"{path} does not exist: has the run started?")
+        data = model.read_status(run_dir)
+        if data is None:
+            raise UserError(f"{path} is not valid JSON")
+        json.dump(data, sys.stdout, indent=1)
+        print()
+        return 0
+    console = make_console()
+    tail = model.EventTail(run_dir / "events.jsonl")
+    if args.once or not console.is_terminal:  # a pipe or a file gets one frame
+        console.print(view.frame(model.load(run_dir, tail)))
+        return 0
+    return live(console, run_dir, tail, refresh_s=max(0.1, args.refresh_s))
+
+
+def make_console():
+    from rich.console import Console
+
+    if sys.stdout.isatty():
+        return Console()
+    return Console(width=int(os.environ.get("COLUMNS", "140")))  # FORCE_COLOR=1: colours
+
+
+def live(console, run_dir: Path, tail, *, refresh_s: float) -> int:
+    from rich.live import Live
+
+    from gyre_slurm.monitor import model, view
+
+    def draw():
+        return view.frame(model.load(run_dir, tail))
+
+    try:
+        with keys() as read_key, Live(draw(), console=console, screen=True,
+                                      auto_refresh=False) as lv:
+            while True:
+                deadline = time.monotonic() + refresh_s
+                while (left := deadline - time.monotonic()) > 0:
+                    if read_key(left) in ("q", "Q"):
+                        return 0
+                lv.update(draw(), refresh=True)
+    except KeyboardInterrupt:
+        return 0
+
+
+@contextmanager
+def keys():
+    """A reader of single key presses (cbreak mode) when stdin is a terminal."""
+    if not sys.stdin.isatty():
+        yield lambda timeout_s: time.sleep(timeout_s)
+        return
+    import termios
+    import tty
+
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    tty.setcbreak(fd)
+
+    def read_key(timeout_s: float) -> str | None:
+        ready, _, _ = select.select([fd], [], [], timeout_s)
+        return os.read(fd, 1).decode(errors="replace") if ready else None
+
+    try:
+        yield read_key
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def report(args: argparse.Namespace) -> int:
+    from gyre_slurm.monitor.report import write_report
+
+    if not args.run_dir.is_dir():
+        raise UserError(f"run dir {args.run_dir} does not exist")
+    write_report(args.run_dir, args.out)
+    print(args.out)
+    return 0

@@ -1,0 +1,258 @@
+"""Reading a run dir and deriving what the monitor shows.
+
+Inputs (written by the coordinator, see gyre_slurm/runtime/rundir.py):
+  status.json   rewritten atomically ~1/s; may be missing (job not started) or, on odd
+                file systems, briefly unreadable: then `status` is None.
+  events.jsonl  append-only; each line {"t": unix time, "kind": ...}. A torn last line is
+                skipped (it is read again once complete). Run dirs written before
+                decisions carried unix `t` (they had seconds since the coordinator's
+                start) are still read: `to_unix` maps those with t0 = status.t -
+                status.elapsed_s (or the `finish` event's t - wall_s).
+
+Derived figures (all from events unless said otherwise):
+  role segments   per cell, (cell, t0, t1, label) seconds since the `start` event: the
+                  layout roles, then per `handoff` its cells spend [t - total_s,
+                  t - total_s + drain_s] draining and the rest of total_s loading.
+  step ETA        (last `step` event - `start`) / steps seen x steps left.
+  rollout rate    `run_end` events with status ok in the last 60 s (runs/min).
+  train rate      tokens of `microbatch` events in the last 60 s / 60 (tokens/s).
+  in-role         1 - (cell-seconds draining or loading) / (cell-seconds since start):
+                  the share of node time not lost to handoffs (NOT GPU utilisation).
+  train compute   sum of `microbatch` + `step` seconds / seconds since start: the share of
+                  wall time the train world spent computing (0 when it is idle waiting
+                  for trajectories or rebuilding).
+  rollout slots   mean over status.json waterlevel_history samples (those with a rollout
+                  cell) of in_flight / (rollout_cells x runtime.runs_per_cell from the run
+                  dir's config.yaml): how full the rollout cells' run slots were. The
+                  waterlevel itself is (in_flight + queued) / runs_per_cell: demand in cells.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FAILURE_KINDS = ("agent_lost", "handoff_failed")
+WINDOW_S = 60.0
+
+
+class EventTail:
+    """Reads events.jsonl incrementally: whole lines only, from where it stopped."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+        self.events: list[dict] = []
+
+    def poll(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return self.events
+        end = data.rfind(b"\n")
+        if end < 0:
+            return self.events
+        for raw in data[:end].split(b"\n"):
+            try:
+                event = json.loads(raw)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(event, dict) and "kind" in event and "t" in event:
+                self.events.append(event)
+        self.offset += end + 1
+        return self.events
+
+
+def read_status(run_dir: Path) -> dict | None:
+    try:
+        data = json.loads((run_dir / "status.json").read_text())
+    except (FileNotFoundError, ValueError, OSError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+@dataclass
+class Snapshot:
+    """One look at a run dir: status.json (or None) and all events so far."""
+
+    run_dir: Path
+    status: dict | None
+    events: list[dict]
+    now: float = field(default_factory=time.time)
+
+    @property
+    def start_t(self) -> float | None:
+        return next((e["t"] for e in self.events if e["kind"] == "start"), None)
+
+    @property
+    def coord_t0(self) -> float | None:
+        if self.status and "t" in self.status and "elapsed_s" in self.status:
+            return self.status["t"] - self.status["elapsed_s"]
+        fin = next((e for e in self.events if e["kind"] == "finish" and "wall_s" in e), None)
+        if fin:
+            return fin["t"] - fin["wall_s"]
+        return self.events[0]["t"] if self.events else None
+
+    def to_unix(self, event: dict) -> float:
+        t = event["t"]
+        if t < 1e8 and self.coord_t0 is not None:  # policy clock: seconds since t0
+            return self.coord_t0 + t
+        return t
+
+    @property
+    def end_t(self) -> float:
+        if self.status and self.status.get("final"):
+            return self.status["t"]
+        if self.events and self.events[-1]["kind"] == "finish":
+            return self.events[-1]["t"]
+        return self.now
+
+    def of_kind(self, *kinds: str) -> list[dict]:
+        return [e for e in self.events if e["kind"] in kinds]
+
+
+def role_segments(events: list[dict], *, end_t: float | None = None
+                  ) -> tuple[list[tuple[int, float, float, str]], float]:
+    """Per cell (cell, t0, t1, label), seconds since the first `start`, and the span.
+
+    A later `layout` (a resumed run) ends every cell's segment at the last event before it
+    (about when the old job stopped); the gap until the new layout has no segment."""
+    start = next(e["t"] for e in events if e["kind"] == "start")
+    if end_t is None:
+        end_t = max(e["t"] for e in events if e["t"] > 1e8)
+    role: dict[int, str] = {}
+    since: dict[int, float] = {}
+    segs = []
+    prev_t = start
+    for e in events:
+        if e["kind"] == "layout" and e["t"] >= prev_t:
+            for c in role:
+                segs.append((c, since[c], max(since[c], prev_t - start), role[c]))
+            role = dict(enumerate(e["roles"]))
+            since = {c: max(0.0, e["t"] - start) for c in role}
+        elif e["kind"] == "handoff" and e["t"] >= start:
+            handoff_segments(e, start=start, role=role, since=since, out=segs)
+        if e["t"] > 1e8:  # unix times only (decisions use the policy clock)
+            prev_t = e["t"]
+    for c in role:
+        segs.append((c, since[c], end_t - start, role[c]))
+    return segs, end_t - start
+
+
+def handoff_segments(e: dict, *, start: float, role: dict, since: dict, out: list) -> None:
+    """A handoff's cells: old role until it began, draining, loading, then the new role."""
+    to = e["direction"].split("->")[1]
+    t_end = e["t"] - start
+    t_begin = max(0.0, t_end - e.get("total_s", 0.0))
+    t_loaded = min(t_end, t_begin + e.get("drain_s", 0.0))
+    for c in e["cells"]:
+        out.append((c, since.get(c, 0.0), t_begin, role.get(c, "rollout")))
+        out.append((c, t_begin, t_loaded, f"draining->{to}"))
+        out.append((c, t_loaded, t_end, f"loading->{to}"))
+        role[c], since[c] = to, t_end
+
+
+def segments(snap: Snapshot) -> tuple[list[tuple[int, float, float, str]], float]:
+    if snap.start_t is None or not snap.of_kind("layout") or snap.end_t < snap.start_t:
+        return [], 0.0
+    return role_segments(snap.events, end_t=snap.end_t)
+
+
+def role_strip(segs: list, cell: int, *, span_end_s: float, width: int = 40,
+               step_s: float = 1.0) -> str:
+    """The cell's role over the last `width` x `step_s` seconds: R, T, - (handoff), ' '."""
+    since = span_end_s - width * step_s
+    mine = [s for s in segs if s[0] == cell and s[2] >= since]
+    out = []
+    for i in range(width):
+        t = span_end_s - (width - 1 - i) * step_s
+        label = next((s[3] for s in mine if s[1] <= t < s[2] + 1e-9), None)
+        if label is None or t < 0:
+            out.append(" ")
+        else:
+            out.append({"rollout": "R", "train": "T", "failed": "X"}.get(label, "-"))
+    return "".join(out)
+
+
+def step_progress(snap: Snapshot) -> dict:
+    """Steps done (status version, else step events), of how many, and the ETA."""
+    steps = snap.of_kind("step")
+    done = snap.status.get("version", len(steps)) if snap.status else len(steps)
+    total = snap.status.get("num_steps") if snap.status else None
+    eta_s = None
+    start = snap.start_t
+    if total and steps and done < total and start is not None:
+        # Mean wall time per step since start: steps that streamed in a burst do not
+        # make the rest look instant.
+        eta_s = (steps[-1]["t"] - start) / len(steps) * (total - done)
+    return {"done": done, "total": total, "eta_s": eta_s}
+
+
+def throughput(snap: Snapshot, *, window_s: float = WINDOW_S) -> dict:
+    """Rollout runs/min and training tokens/s over the last `window_s` of the run."""
+    end = snap.end_t
+    since = end - window_s
+    if snap.start_t is not None:
+        window_s = max(1e-9, min(window_s, end - snap.start_t))
+        since = end - window_s
+    ok = [e for e in snap.of_kind("run_end") if e.get("status") == "ok" and e["t"] >= since]
+    tokens = sum(e.get("tokens", 0) for e in snap.of_kind("microbatch") if e["t"] >= since)
+    return {"window_s": window_s, "runs_per_min": len(ok) * 60.0 / window_s,
+            "tokens_per_s": tokens / window_s}
+
+
+def busy(snap: Snapshot, segs: list, span_s: float) -> dict:
+    """In-role share of cell-seconds and train compute share of wall time (see module doc)."""
+    if not segs or span_s <= 0:
+        return {"in_role": None, "train_compute": None}
+    total = sum(t1 - t0 for _, t0, t1, _ in segs)
+    moving = sum(t1 - t0 for _, t0, t1, lab in segs if "->" in lab)
+    compute = sum(e.get("seconds", 0.0) for e in snap.of_kind("microbatch", "step"))
+    return {"in_role": 1 - moving / total if total > 0 else None,
+            "train_compute": min(1.0, compute / span_s)}
+
+
+def runs_per_cell(run_dir: Path) -> int | None:
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        return int(cfg["runtime"]["runs_per_cell"])
+    except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
+        return None
+
+
+def rollout_occupancy(status: dict | None, per_cell: int | None) -> float | None:
+    samples = [w for w in (status or {}).get("waterlevel_history", [])
+               if w.get("rollout_cells")]
+    if not samples or not per_cell:
+        return None
+    return sum(min(1.0, w.get("in_flight", 0) / (w["rollout_cells"] * per_cell))
+               for w in samples) / len(samples)
+
+
+def failures(snap: Snapshot) -> list[dict]:
+    return [e for e in snap.events if e["kind"] in FAILURE_KINDS
+            or (e["kind"] == "run_end" and e.get("status") not in ("ok", None))]
+
+
+def step_rates(events: list[dict]) -> list[dict]:
+    """Per step: trajectories/s and tokens/s over the time since the previous step."""
+    start = next((e["t"] for e in events if e["kind"] == "start"), None)
+    out, prev = [], start
+    for e in (e for e in events if e["kind"] == "step"):
+        dt = e["t"] - prev if prev is not None else None
+        if dt and dt > 0:
+            out.append({"step": e["step"], "trajectories_per_s": e.get("trajectories", 0) / dt,
+                        "tokens_per_s": e.get("tokens", 0) / dt, "seconds": dt})
+        prev = e["t"]
+    return out
+
+
+def load(run_dir: Path, tail: EventTail | None = None) -> Snapshot:
+    tail = tail or EventTail(run_dir / "events.jsonl")
+    return Snapshot(run_dir=run_dir, status=read_status(run_dir), events=list(tail.poll()))

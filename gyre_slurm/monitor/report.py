@@ -1,0 +1,97 @@
+"""`gyre report`: one PNG of a whole run, from its events.jsonl and status.json.
+
+Panels: (1) cell roles over time (seconds since `start`; segments from
+`model.role_segments`, colours of gyre_slurm/sim/report.py ROLE_COLORS); (2) waterlevel
+(status.json waterlevel_history: runs in flight + queued / runs_per_cell, i.e. demand in
+cells) with the rollout-cell count, both in cells;
+(3) mean reward per step (`step` events); (4) throughput per step: trajectories/s and
+tokens/s over the time since the previous step (`model.step_rates`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gyre_slurm.errors import UserError
+from gyre_slurm.monitor import model
+from gyre_slurm.sim.report import ROLE_COLORS
+
+
+def draw_roles(ax, events: list[dict]) -> float:
+    segs, wall = model.role_segments(events)
+    for cell, t0, t1, label in segs:
+        ax.broken_barh([(t0, max(t1 - t0, 0.05))], (cell - 0.4, 0.8),
+                       facecolors=ROLE_COLORS.get(label, "#7f7f7f"))
+    ax.set_yticks(sorted({s[0] for s in segs}))
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(wall, 1e-3))
+    ax.set_xlabel("seconds since start")
+    ax.set_ylabel("cell")
+    handoffs = sum(1 for e in events if e["kind"] == "handoff")
+    ax.set_title(f"cell roles (green rollout, blue train, orange/light draining, purple "
+                 f"loading): {handoffs} handoffs")
+    return wall
+
+
+def draw_waterlevel(ax, snap: model.Snapshot, *, span_s: float) -> None:
+    hist = (snap.status or {}).get("waterlevel_history", [])
+    shift = (snap.coord_t0 or 0.0) - (snap.start_t or snap.coord_t0 or 0.0)
+    ts = [w["t"] + shift for w in hist]  # samples count from t0; the timeline from start
+    ax.plot(ts, [w.get("waterlevel", 0.0) for w in hist], color="#ff7f0e", label="waterlevel")
+    ax.step(ts, [w.get("rollout_cells", 0) for w in hist], where="post", color="#2ca02c",
+            alpha=0.6, label="rollout cells")
+    ax.set_xlabel("seconds since start (status.json keeps the last 300 samples)")
+    ax.set_ylabel("cells")
+    ax.set_title("waterlevel: runs in flight + queued, in cells of runs_per_cell; "
+                 "and rollout cells")
+    if hist:
+        ax.legend(loc="upper right", fontsize=8)
+    ax.set_xlim(0, max(span_s, 1e-3))
+
+
+def draw_rewards(ax, events: list[dict]) -> None:
+    steps = [e for e in events if e["kind"] == "step"]
+    ax.plot([e["step"] for e in steps], [e.get("mean_reward", 0) for e in steps],
+            marker="o", ms=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.set_title("mean reward per step")
+
+
+def draw_throughput(ax, events: list[dict]) -> None:
+    rates = model.step_rates(events)
+    xs = [r["step"] for r in rates]
+    ax.bar(xs, [r["tokens_per_s"] for r in rates], color="#1f77b4", alpha=0.7,
+           label="tokens/s")
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens/s")
+    ax2 = ax.twinx()
+    ax2.plot(xs, [r["trajectories_per_s"] for r in rates], color="#2ca02c", marker="o",
+             ms=3, label="trajectories/s")
+    ax2.set_ylabel("trajectories/s")
+    ax.set_title("throughput per step (wall time since the previous step;\n"
+                 "streamed steps can finish in bursts)", fontsize=10)
+
+
+def write_report(run_dir: Path, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    snap = model.load(run_dir)
+    kinds = {e["kind"] for e in snap.events}
+    if not {"start", "layout"} <= kinds:
+        raise UserError(f"{run_dir / 'events.jsonl'} has no start/layout events yet "
+                        "(nothing to report: has the run started?)")
+    fig = plt.figure(figsize=(12, 9))
+    grid = fig.add_gridspec(3, 2, height_ratios=[3, 2, 2])
+    wall = draw_roles(fig.add_subplot(grid[0, :]), snap.events)
+    draw_waterlevel(fig.add_subplot(grid[1, :]), snap, span_s=wall)
+    draw_rewards(fig.add_subplot(grid[2, 0]), snap.events)
+    draw_throughput(fig.add_subplot(grid[2, 1]), snap.events)
+    fig.suptitle(f"{run_dir.name}: policy {(snap.status or {}).get('policy', '?')}")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,246 @@
+"""`gyre status` (one frame, JSON, the live view under tmux) and `gyre report`, on a real
+run dir: /tmp/example-run-dir when this machine has one (a finished elastic run with
+handoffs; GYRE_EXAMPLE_RUN_DIR names another), else one made here with `gyre run` (~25 s)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gyre_slurm.monitor import model
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = Path(os.environ.get("GYRE_EXAMPLE_RUN_DIR", "/tmp/example-run-dir"))
+TINY = ["workload.num_steps=2", "workload.prompts_per_step=2", "workload.group_size=4",
+        "runtime.runs_per_cell=4", "runtime.max_tokens=8", "scheduler.confirm_s=0.3",
+        "scheduler.min_dwell_s=0.5", "workload.duration.mean_s=0.4"]
+AGENT_LOST = {"kind": "agent_lost", "node": 2, "error": "node agent 2 silent for 9.0s"}
+
+
+def gyre(*args: str, env: dict | None = None, timeout_s: float = 120):
+    base = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "COLUMNS")}
+    env = dict(base, PYTHONPATH=str(ROOT), **(env or {}))
+    return subprocess.run([sys.executable, "-m", "gyre_slurm", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+@pytest.fixture(scope="module")
+def source_run(tmp_path_factory) -> Path:
+    if (EXAMPLE / "events.jsonl").is_file() and (EXAMPLE / "status.json").is_file():
+        return EXAMPLE
+    run_dir = tmp_path_factory.mktemp("monitor") / "run"
+    sets = [a for item in TINY for a in ("--set", item)]
+    proc = gyre("run", str(ROOT / "configs" / "tiny.yaml"), "--run-dir", str(run_dir), *sets,
+                timeout_s=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+@pytest.fixture
+def run_dir(source_run, tmp_path) -> Path:
+    """A copy of the run dir's two monitor inputs (tests may append to it)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in ("status.json", "events.jsonl"):
+        shutil.copy(source_run / name, out / name)
+    return out
+
+
+def append_event(run_dir: Path, event: dict, *, newline: bool = True) -> None:
+    line = json.dumps({"t": time.time(), **event})
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write(line + ("\n" if newline else ""))
+
+
+def test_once_shows_header_cells_progress_and_events(run_dir):
+    status = json.loads((run_dir / "status.json").read_text())
+    proc = gyre("status", str(run_dir), "--once")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    n = status["num_steps"]
+    assert f"version {n}/{n}" in out and "(final)" in out and "policy" in out
+    assert f"step {status['version']}/{n}" in out and "100%" in out
+    for cell in status["cells"]:
+        assert f"cell {cell['cell']} [{','.join(cell['nodes'])}]" in out
+    roles = {c["role"] for c in status["cells"]}
+    assert all(r in out for r in roles)
+    assert "waterlevel" in out and "runs/min" in out and "tokens/s" in out
+    assert "\x1b[" not in out  # not a terminal: plain text
+    events = list(model.EventTail(run_dir / "events.jsonl").poll())
+    last_step = [e for e in events if e["kind"] == "step"][-1]
+    assert f"step {last_step['step']} -> version {last_step['version']}: mean reward" in out
+    decisions = [e for e in events if e["kind"] == "decision"]
+    if decisions:  # an elastic run with handoffs: reasons and handoff times are shown
+        assert "handoff" in out and decisions[-1]["reason"][:30] in out
+        assert any(set(line.split()[-1]) & set("T") and "-" in line.split()[-1]
+                   for line in out.splitlines() if line.lstrip().startswith("cell "))
+    assert "FAILURES" not in out
+
+
+def cut_to_mid_run(run_dir: Path, *, status_age_s: float) -> dict:
+    """Make the copy look like a live run after its first step: events up to that step,
+    status.json not final and `status_age_s` old."""
+    lines = (run_dir / "events.jsonl").read_text().splitlines(keepends=True)
+    first_step = next(i for i, line in enumerate(lines) if '"kind": "step"' in line)
+    (run_dir / "events.jsonl").write_text("".join(lines[:first_step + 1]))
+    status = json.loads((run_dir / "status.json").read_text())
+    status.update(final=False, version=1, t=time.time() - status_age_s)
+    (run_dir / "status.json").write_text(json.dumps(status))
+    return status
+
+
+def test_a_live_run_shows_an_eta_and_a_stale_status(run_dir):
+    status = cut_to_mid_run(run_dir, status_age_s=0)
+    out = gyre("status", str(run_dir), "--once").stdout
+    assert f"step 1/{status['num_steps']}" in out and "ETA" in out
+    assert "(final)" not in out and "(stale)" not in out
+    cut_to_mid_run(run_dir, status_age_s=30)
+    out = gyre("status", str(run_dir), "--once").stdout
+    assert re.search(r"status 3\ds old \(stale\)", out)  # 30 s, and the time to start
+    coloured = gyre("status", str(run_dir), "--once", env={"FORCE_COLOR": "1"}).stdout
+    assert re.search(r"\x1b\[33mstatus 3\ds old \(stale\)", coloured)  # yellow
+
+
+def test_failures_are_listed_in_red(run_dir):
+    append_event(run_dir, AGENT_LOST)
+    append_event(run_dir, {"kind": "run_end", "run_id": "s0009-p000-g00", "status": "failed",
+                           "reward": None, "error": "tool crashed"})
+    plain = gyre("status", str(run_dir), "--once").stdout
+    assert "FAILURES (2):" in plain and "node agent 2 silent" in plain
+    assert "run s0009-p000-g00 failed: tool crashed" in plain
+    coloured = gyre("status", str(run_dir), "--once", env={"FORCE_COLOR": "1"}).stdout
+    red = [line for line in coloured.splitlines() if "agent_lost" in line]
+    assert red and all("\x1b[1;31m" in line for line in red)
+
+
+def test_json_prints_status_json(run_dir):
+    proc = gyre("status", str(run_dir), "--json")
+    assert proc.returncode == 0
+    assert json.loads(proc.stdout) == json.loads((run_dir / "status.json").read_text())
+
+
+def test_missing_run_dir_and_not_started_run(tmp_path):
+    missing = gyre("status", str(tmp_path / "nope"), "--once")
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    once = gyre("status", str(empty), "--once")
+    assert once.returncode == 0 and "waiting for status.json" in once.stdout
+    as_json = gyre("status", str(empty), "--json")
+    assert as_json.returncode == 2 and "does not exist" in as_json.stderr
+    report = gyre("report", str(empty), "-o", str(tmp_path / "r.png"))
+    assert report.returncode == 2 and "no start/layout events" in report.stderr
+    assert not (tmp_path / "r.png").exists()
+
+
+def test_torn_last_line_and_bad_status_are_tolerated(run_dir):
+    tail = model.EventTail(run_dir / "events.jsonl")
+    n = len(tail.poll())
+    append_event(run_dir, AGENT_LOST, newline=False)  # a writer caught mid-line
+    assert len(tail.poll()) == n
+    assert "FAILURES" not in gyre("status", str(run_dir), "--once").stdout
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write("\n")  # the line completes: now it is read, once
+    assert len(tail.poll()) == n + 1 and tail.poll()[-1]["kind"] == "agent_lost"
+    (run_dir / "status.json").write_text('{"cells": [')  # torn (not atomic) status
+    proc = gyre("status", str(run_dir), "--once")
+    assert proc.returncode == 0 and "waiting for status.json" in proc.stdout
+    assert "FAILURES (1):" in proc.stdout  # events are still shown
+
+
+def check_segments(segs: list, span_s: float) -> None:
+    """Each cell's segments run back to back (gaps only where a job stopped)."""
+    for cell in {s[0] for s in segs}:
+        mine = [s for s in segs if s[0] == cell]
+        assert all(t1 >= t0 - 1e-9 for _, t0, t1, _ in mine)
+        assert mine[-1][2] == pytest.approx(span_s)
+        for a, b in zip(mine, mine[1:]):
+            assert b[1] >= a[2] - 1e-6
+
+
+def test_role_segments_follow_handoffs_and_a_resume(source_run):
+    events = list(model.EventTail(source_run / "events.jsonl").poll())
+    segs, span_s = model.role_segments(events)
+    check_segments(segs, span_s)
+    handoffs = [e for e in events if e["kind"] == "handoff"]
+    moving = sum(t1 - t0 for _, t0, t1, lab in segs if "->" in lab)
+    assert moving == pytest.approx(sum(e["total_s"] * len(e["cells"]) for e in handoffs))
+    # The same job resumed 100 s later: a second layout restarts every cell's roles.
+    later = [dict(e, t=e["t"] + 100) for e in events
+             if e["kind"] not in ("start", "finish") and e["t"] > 1e8]
+    segs2, span2 = model.role_segments(events + later)
+    check_segments(segs2, span2)
+    assert span2 == pytest.approx(max(e["t"] for e in later) - model.Snapshot(
+        run_dir=source_run, status=None, events=events).start_t)
+    assert len(segs2) == 2 * len(segs)
+
+
+def test_report_writes_a_png(run_dir, tmp_path):
+    out = tmp_path / "report.png"
+    proc = gyre("report", str(run_dir), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def tmux_available() -> bool:
+    if shutil.which("tmux") is None:
+        subprocess.run(["apt-get", "install", "-y", "tmux"], capture_output=True, timeout=120)
+    if shutil.which("tmux") is None:
+        if os.environ.get("CI"):
+            pytest.fail("tmux is needed for the live-view test and could not be installed")
+        return False
+    return True
+
+
+def capture(sock: str) -> str:
+    return subprocess.run(["tmux", "-S", sock, "capture-pane", "-p", "-t", "mon"],
+                          capture_output=True, text=True, timeout=10).stdout
+
+
+def wait_for(sock: str, text: str, *, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    screen = ""
+    while time.monotonic() < deadline:
+        screen = capture(sock)
+        if text in screen:
+            return screen
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not on screen after {timeout_s}s:\n{screen}")
+
+
+@pytest.mark.parametrize("key", ["q", "C-c"])
+def test_live_view_under_tmux(run_dir, tmp_path, key):
+    if not tmux_available():
+        pytest.skip("tmux not installed and apt-get could not install it")
+    sock = str(tmp_path / "tmux.sock")
+    done = tmp_path / "exit-code"
+    cmd = (f"env -u COLUMNS -u LINES PYTHONPATH={ROOT} {sys.executable} -m gyre_slurm "
+           f"status {run_dir} --refresh-s 0.3; echo $? > {done}; sleep 30")
+    subprocess.run(["tmux", "-S", sock, "new-session", "-d", "-s", "mon", "-x", "150", "-y",
+                    "50", cmd], check=True, timeout=10)
+    try:
+        screen = wait_for(sock, "cell 0 [", timeout_s=15)
+        assert "version" in screen and "elapsed" in screen and "step" in screen
+        status = json.loads((run_dir / "status.json").read_text())
+        for cell in status["cells"]:
+            assert f"cell {cell['cell']} [{','.join(cell['nodes'])}]" in screen
+        append_event(run_dir, AGENT_LOST)  # the view follows the run dir as it grows
+        wait_for(sock, "FAILURES (1):", timeout_s=5)
+        subprocess.run(["tmux", "-S", sock, "send-keys", "-t", "mon", key], check=True,
+                       timeout=10)
+        deadline = time.monotonic() + 5
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert done.exists(), capture(sock)
+        assert done.read_text().strip() == "0"
+    finally:
+        subprocess.run(["tmux", "-S", sock, "kill-server"], capture_output=True, timeout=10)
