@@ -1,6 +1,6 @@
 """`gyre status` (one frame, JSON, the live view under tmux) and `gyre report`, on a real
-run dir: /tmp/example-run-dir when this machine has one (a finished elastic run with
-handoffs; GYRE_EXAMPLE_RUN_DIR names another), else one made here with `gyre run` (~25 s)."""
+run dir made here with `gyre run` (an elastic run with handoffs, ~30 s), or the one
+GYRE_EXAMPLE_RUN_DIR names."""
 
 from __future__ import annotations
 
@@ -18,10 +18,13 @@ import pytest
 from gyre_slurm.monitor import model
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = Path(os.environ.get("GYRE_EXAMPLE_RUN_DIR", "/tmp/example-run-dir"))
-TINY = ["workload.num_steps=2", "workload.prompts_per_step=2", "workload.group_size=4",
+EXAMPLE = Path(os.environ["GYRE_EXAMPLE_RUN_DIR"]) if "GYRE_EXAMPLE_RUN_DIR" in os.environ \
+    else None
+TINY = ["workload.num_steps=4", "workload.prompts_per_step=2", "workload.group_size=4",
         "runtime.runs_per_cell=4", "runtime.max_tokens=8", "scheduler.confirm_s=0.3",
-        "scheduler.min_dwell_s=0.5", "workload.duration.mean_s=0.4"]
+        "scheduler.min_dwell_s=0.5", "workload.duration.mean_s=1.0", "scheduler.forecast=false",
+        "scheduler.hysteresis=0", "runtime.policy_interval_s=0.2",
+        "runtime.env_params={tool_mean_s: 1.0, tool_sigma: 0.5, tool_max_s: 3.0}"]
 AGENT_LOST = {"kind": "agent_lost", "node": 2, "error": "node agent 2 silent for 9.0s"}
 
 
@@ -34,7 +37,7 @@ def gyre(*args: str, env: dict | None = None, timeout_s: float = 120):
 
 @pytest.fixture(scope="module")
 def source_run(tmp_path_factory) -> Path:
-    if (EXAMPLE / "events.jsonl").is_file() and (EXAMPLE / "status.json").is_file():
+    if EXAMPLE is not None:
         return EXAMPLE
     run_dir = tmp_path_factory.mktemp("monitor") / "run"
     sets = [a for item in TINY for a in ("--set", item)]
