@@ -75,7 +75,7 @@ def wait_version(run_dir: Path, version: int, *, timeout_s: float = 300) -> None
 
 def test_sbatch_runs_the_tiny_job_with_handoffs(slurm_cluster, tmp_path):
     run_dir = tmp_path / "run"
-    job = sbatch(slurm_cluster, f"--output={tmp_path}/job-%j.out",
+    job = sbatch(slurm_cluster, f"--output={tmp_path}/job-%j.out", "--gpus-per-node=4",
                  str(ROOT / "sbatch" / "gyre.sbatch"), str(small_config(tmp_path)), str(run_dir))
     state, _ = wait_done(slurm_cluster, job)
     log = (tmp_path / f"job-{job}.out").read_text()
@@ -84,6 +84,8 @@ def test_sbatch_runs_the_tiny_job_with_handoffs(slurm_cluster, tmp_path):
     # the node agents ran as one srun step, one per Slurm node, on the nodes' addresses
     agents = [e for e in events if e["kind"] == "agent_registered"]
     assert sorted(e["node"] for e in agents) == [0, 1, 2, 3]
+    assert [e["gpus"] for e in agents] == ["0,1,2,3"] * 4  # what Slurm gave each node's step
+    assert (run_dir / "logs" / f"sbatch-{job}.out").read_text().startswith(f"gyre: job {job}")
     assert {e["url"].split("//")[1].split(":")[0] for e in agents} == \
         {"127.0.10.1", "127.0.10.2", "127.0.10.3", "127.0.10.4"}
     status = json.loads((run_dir / "status.json").read_text())

@@ -53,13 +53,17 @@ STATE = web.AppKey("state", dict)
 
 
 def check_loopback(host: str) -> None:
+    """Servers bind to one node's own address, never to every interface: a wildcard
+    (0.0.0.0, ::) or a name is refused. On one machine (tests, the local launcher) that
+    address is loopback (127.x.y.z); on a cluster it is the node's address, and the run's
+    secret is what keeps others out."""
     try:
-        ok = ipaddress.ip_address(host).is_loopback
+        addr = ipaddress.ip_address(host)
     except ValueError:
-        ok = False
-    if not ok:
-        raise UserError(f"host {host!r}: an engine binds only to a loopback address "
-                        "(127.x.y.z)")
+        addr = None
+    if addr is None or addr.is_unspecified or addr.is_multicast:
+        raise UserError(f"host {host!r}: a server binds to one node's own IP address "
+                        "(127.x.y.z on one machine), not a name or a wildcard")
 
 
 def read_secret(path: str | Path) -> str:

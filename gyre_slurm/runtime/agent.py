@@ -59,8 +59,11 @@ class NodeAgent:
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
         url = f"http://{self.addr}:{port}"
-        await self.coordinator.post("/agent/register", {"node": self.node_index, "url": url,
-                                                        "pid": os.getpid()})
+        # Engines inherit this process's environment, so the GPUs Slurm gave the step
+        # (CUDA_VISIBLE_DEVICES) are the engine's; say which they are.
+        await self.coordinator.post("/agent/register", {
+            "node": self.node_index, "url": url, "pid": os.getpid(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")})
         log.info("node agent %d serving on %s", self.node_index, url)
         beat = asyncio.create_task(self.heartbeat())
         # Import the trainer's libraries now, off the event loop, so that the first

@@ -125,7 +125,8 @@ class Coordinator:
         node = int(body["node"])
         self.agents[node] = ControlClient(body["url"], self.rd.secret(), node=node)
         self.heartbeats[node] = time.monotonic()
-        self.rd.event("agent_registered", node=node, url=body["url"], pid=body.get("pid"))
+        self.rd.event("agent_registered", node=node, url=body["url"], pid=body.get("pid"),
+                      gpus=body.get("cuda_visible_devices"))
         if len(self.agents) == self.cfg.cluster.num_nodes:
             self.registered.set()
         return web.json_response({})
