@@ -195,8 +195,12 @@ def test_report_writes_a_png(run_dir, tmp_path):
 
 
 def tmux_available() -> bool:
-    if shutil.which("tmux") is None:
-        subprocess.run(["apt-get", "install", "-y", "tmux"], capture_output=True, timeout=120)
+    for step in (["apt-get", "install", "-y", "tmux"], ["apt-get", "update"],
+                 ["apt-get", "install", "-y", "tmux"]):  # a fresh machine has no apt lists
+        if shutil.which("tmux") is not None:
+            break
+        subprocess.run(step, capture_output=True, timeout=300,
+                       env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
     if shutil.which("tmux") is None:
         if os.environ.get("CI"):
             pytest.fail("tmux is needed for the live-view test and could not be installed")

@@ -71,6 +71,7 @@ class Coordinator:
         self.gateway = None
         self.rollouts: RolloutManager | None = None
         self.busy_cells: set[int] = set()  # cells with a handoff under way
+        self.handoff_tasks: set[asyncio.Task] = set()
         self.train_rate: list[float] = []  # measured tokens/s per cell
         self.rewards: list[dict] = []
         self.waterlevel_history: collections.deque = collections.deque(maxlen=300)
@@ -198,7 +199,7 @@ class Coordinator:
         return exc
 
     async def shutdown(self) -> None:
-        handoffs = list(getattr(self, "handoff_tasks", ()))
+        handoffs = list(self.handoff_tasks)
         for task in handoffs:
             task.cancel()
         await asyncio.gather(*handoffs, return_exceptions=True)

@@ -33,7 +33,6 @@ def start(coord, decisions: list[Decision]) -> None:
             coord.busy_cells.update(cells)
             wait = any(d.drain == "wait" for d in group)
             task = asyncio.create_task(_guard(coord, fn, cells, wait))
-            coord.handoff_tasks = getattr(coord, "handoff_tasks", set())
             coord.handoff_tasks.add(task)
             task.add_done_callback(coord.handoff_tasks.discard)
 
