@@ -244,3 +244,30 @@ def test_concurrent_runs_balance_and_record(engines, tmp_path):
     loaded = load_store(tmp_path)
     assert not loaded.errors and sorted(loaded.runs) == run_ids
     assert all([d.call for d in loaded.runs[r]] == [0, 1] for r in run_ids)
+
+
+def test_an_unmodified_openai_client_is_all_an_agent_needs(engines, tmp_path):
+    """The official `openai` package, pointed at a run's base URL, chats and lists models;
+    its calls are recorded like any other; a wrong key is refused the OpenAI way."""
+    import openai
+
+    async def fn(gw, http, base):
+        client = openai.AsyncOpenAI(base_url=f"{base}/runs/oa-1/v1", api_key=KEY, max_retries=0)
+        reply = await client.chat.completions.create(model="gyre-policy", messages=HELLO,
+                                                     max_tokens=6, logprobs=True)
+        models = await client.models.list()
+        bad = openai.AsyncOpenAI(base_url=f"{base}/runs/oa-1/v1", api_key="wrong",
+                                 max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await bad.chat.completions.create(model="gyre-policy", messages=HELLO)
+        await client.close()
+        await bad.close()
+        return reply, [m.id for m in models.data]
+
+    reply, model_ids = run_gateway(engines, tmp_path, fn)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert reply.usage.completion_tokens == len(choice.logprobs.content) >= 1
+    assert model_ids
+    (call,) = records(tmp_path, "oa-1")
+    assert len(call.output_ids) == reply.usage.completion_tokens
