@@ -9,6 +9,7 @@ job id and the run dir.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -17,8 +18,8 @@ from gyre_slurm.config.presets import resolve
 from gyre_slurm.config.schema import load_config
 from gyre_slurm.errors import UserError
 
-GYRE_ROOT = Path(__file__).resolve().parents[2]
-SBATCH_FILE = GYRE_ROOT / "sbatch" / "gyre.sbatch"
+GYRE_ROOT = Path(os.environ.get("GYRE_ROOT") or Path(__file__).resolve().parents[2])
+SBATCH_FILE = GYRE_ROOT / "sbatch" / "gyre.sbatch"  # the job runs GYRE_ROOT/tools/gyre
 
 
 def sbatch_command(*, config: Path, run_dir: Path, nodes: int, time_limit: str | None,
@@ -39,6 +40,9 @@ def sbatch_command(*, config: Path, run_dir: Path, nodes: int, time_limit: str |
 def submit(*, config: str, run_dir: Path | None, nodes: int | None, time_limit: str | None,
            partition: str | None, gpus_per_node: int | None,
            extra: list[str]) -> tuple[str, Path]:
+    if not SBATCH_FILE.is_file():
+        raise UserError(f"{SBATCH_FILE} not found: gyre submit runs from a gyre checkout "
+                        "(set GYRE_ROOT to one), whose sbatch/ and tools/ the job uses")
     path = resolve(config).resolve()
     cfg = load_config(path)
     nodes = nodes or cfg.cluster.num_nodes
