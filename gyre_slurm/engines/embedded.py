@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import ipaddress
 import logging
 import os
@@ -44,6 +43,7 @@ from aiohttp import web
 from gyre_slurm.engines.sampler import BadRequest, Released, Sampler, parse_generate
 from gyre_slurm.errors import UserError
 from gyre_slurm.runtime import fsio
+from gyre_slurm.runtime.control import auth_middleware
 
 log = logging.getLogger(__name__)
 
@@ -80,28 +80,22 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-def _auth_middleware(secret: str):
-    expected = f"Bearer {secret}".encode()
-
-    @web.middleware
-    async def middleware(request: web.Request, handler):
-        got = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(got, expected):
-            return _error(401, "missing or wrong 'Authorization: Bearer <secret>'")
-        try:
-            return await handler(request)
-        except web.HTTPException as exc:
-            if exc.status == 413:
-                return _error(413, f"request body over {MAX_BODY_BYTES} bytes")
-            raise
-        except BadRequest as exc:
-            return _error(400, str(exc))
-        except Released as exc:
-            return _error(503, str(exc))
-        except Exception as exc:  # noqa: BLE001 - the server keeps serving
-            log.exception("%s %s failed", request.method, request.path)
-            return _error(500, f"{type(exc).__name__}: {exc}")
-    return middleware
+@web.middleware
+async def _errors_middleware(request: web.Request, handler):
+    """Engine errors as JSON with their status (the secret is checked before this)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status == 413:
+            return _error(413, f"request body over {MAX_BODY_BYTES} bytes")
+        raise
+    except BadRequest as exc:
+        return _error(400, str(exc))
+    except Released as exc:
+        return _error(503, str(exc))
+    except Exception as exc:  # noqa: BLE001 - the server keeps serving
+        log.exception("%s %s failed", request.method, request.path)
+        return _error(500, f"{type(exc).__name__}: {exc}")
 
 
 async def _json(request: web.Request) -> Any:
@@ -167,7 +161,7 @@ async def models(request: web.Request) -> web.Response:
 
 
 def make_app(sampler: Sampler, *, secret: str, model_name: str) -> web.Application:
-    app = web.Application(middlewares=[_auth_middleware(secret)],
+    app = web.Application(middlewares=[auth_middleware(secret), _errors_middleware],
                           client_max_size=MAX_BODY_BYTES)
     app[SAMPLER] = sampler
     app[STATE] = {"active": 0, "model_name": model_name, "created": int(time.time())}

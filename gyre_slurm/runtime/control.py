@@ -18,15 +18,16 @@ from aiohttp import web
 MAX_BODY_BYTES = 1 << 20
 
 
-def auth_middleware(secret: str, *, open_paths: tuple[str, ...] = ()):
-    expected = f"Bearer {secret}"
+def auth_middleware(secret: str):
+    """Refuse (401) any request without `Authorization: Bearer <secret>`."""
+    expected = f"Bearer {secret}".encode()
 
     @web.middleware
     async def check(request: web.Request, handler):
-        if request.path not in open_paths:
-            got = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(got.encode(), expected.encode()):
-                return web.json_response({"error": "missing or wrong run secret"}, status=401)
+        got = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(got, expected):
+            return web.json_response(
+                {"error": "missing or wrong 'Authorization: Bearer <run secret>'"}, status=401)
         return await handler(request)
 
     return check

@@ -64,7 +64,6 @@ class Coordinator:
         self.agents: dict[int, ControlClient] = {}
         self.heartbeats: dict[int, float] = {}
         self.registered = asyncio.Event()
-        self.engines: dict[int, str] = {}  # cell -> engine base url
         self.engine_clients: dict = {}  # cell -> the gateway's EngineClient for it
         self.table: CellTable | None = None
         self.world: TrainWorld | None = None

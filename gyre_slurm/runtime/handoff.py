@@ -57,7 +57,6 @@ async def bring_up_engine(coord, cell: int) -> float:
         await coord.agents[node].post("/cmd/load_weights", {"version": version})
     from gyre_slurm.engines import EngineClient
 
-    coord.engines[cell] = res["base_url"]
     client = EngineClient(res["base_url"], coord.rd.secret())
     coord.engine_clients[cell] = client
     coord.gateway.add_server(f"cell{cell}", client, capacity=coord.cfg.runtime.runs_per_cell)
@@ -66,7 +65,7 @@ async def bring_up_engine(coord, cell: int) -> float:
 
 async def load_weights_everywhere(coord, version: int) -> None:
     """Every serving engine loads the new policy (in place, between calls)."""
-    cells = [c for c in coord.engines if c not in coord.busy_cells and
+    cells = [c for c in coord.engine_clients if c not in coord.busy_cells and
              coord.table[c].role is Role.ROLLOUT]
     t0 = time.monotonic()
     await asyncio.gather(*(coord.agents[coord.nodes_of(c)[0]].post(

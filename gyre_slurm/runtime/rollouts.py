@@ -31,7 +31,6 @@ class RolloutManager:
         self.flush_calls = flush_calls  # makes the gateway's recorded calls readable
         self.tasks: dict[str, asyncio.Task] = {}
         self.started_at: dict[str, float] = {}
-        self.durations: list[float] = []
         self._buffer = None
         self._tasks_cache: dict[int, list] = {}
 
@@ -93,9 +92,7 @@ class RolloutManager:
     def finish(self, run_id: str, record: dict) -> None:
         """Record a run's end (also used on resume for runs that ended before a stop)."""
         self.tasks.pop(run_id, None)
-        start = self.started_at.pop(run_id, None)
-        if start is not None:
-            self.durations.append(time.time() - start)
+        if self.started_at.pop(run_id, None) is not None:  # not a run replayed on resume
             append_jsonl(self.rd.runs_file, record)
         if self.gateway is not None:
             self.gateway.end_run(run_id)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from gyre_slurm.config.loader import dump_yaml
 from gyre_slurm.config.schema import GyreConfig
-from gyre_slurm.runtime.fsio import append_jsonl, read_jsonl, write_bytes_atomic, write_json_atomic
+from gyre_slurm.runtime.fsio import append_jsonl, write_bytes_atomic, write_json_atomic
 
 
 class RunDir:
@@ -79,9 +79,6 @@ class RunDir:
         record = {"t": time.time(), "kind": kind, **fields}
         append_jsonl(self.events_file, record)
         return record
-
-    def events(self) -> list[dict]:
-        return list(read_jsonl(self.events_file))
 
     def write_status(self, status: dict) -> None:
         write_json_atomic(self.status_file, status)
