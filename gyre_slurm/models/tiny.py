@@ -1,7 +1,7 @@
 """A tiny causal LM and its tokenizer, made locally (nothing is downloaded).
 
-`make_model_dir(path)` writes a Hugging Face model directory: `config.json` (a small
-Llama), the tokenizer (byte-level BPE trained here on a fixed corpus, with a chat
+`make_model_dir(path, family=...)` writes a Hugging Face model directory: `config.json` (a
+small Llama, or a Qwen2: the same shape plus biases on q/k/v), the tokenizer (byte-level BPE trained here on a fixed corpus, with a chat
 template) and nothing else; weights live per policy version under
 `RUN_DIR/weights/vNNNNNN/model.safetensors` (`save_weights`, `load_weights`). The same
 directory serves the embedded rollout engine and the trainer, so both see one model.
@@ -30,11 +30,25 @@ def _corpus() -> list[str]:
     return [words, digits] * 40 + [f"step {i}: {words.split()[i % 20]}" for i in range(200)]
 
 
+FAMILIES = ("llama", "qwen2")
+
+
 def make_model_dir(path: str | Path, *, vocab_size: int = 512, hidden_size: int = 64,
-                   num_layers: int = 2, num_heads: int = 4, max_positions: int = 4096) -> Path:
-    """Write config + tokenizer to `path` (atomically: temp dir, then rename)."""
+                   num_layers: int = 2, num_heads: int = 4, num_kv_heads: int | None = None,
+                   max_positions: int = 4096, family: str = "llama") -> Path:
+    """Write config + tokenizer to `path` (atomically: temp dir, then rename).
+
+    `family`: "llama" (LlamaForCausalLM) or "qwen2" (Qwen2ForCausalLM: q/k/v biases);
+    `num_kv_heads` < `num_heads` makes grouped-query attention (default: equal)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+
+    if family not in FAMILIES:
+        raise ValueError(f"model family {family!r}: choose one of {', '.join(FAMILIES)}")
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if num_heads % num_kv_heads or hidden_size % num_heads:
+        raise ValueError(f"hidden_size {hidden_size}, num_heads {num_heads}, num_kv_heads "
+                         f"{num_kv_heads}: heads must divide hidden_size, kv heads the heads")
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -49,12 +63,13 @@ def make_model_dir(path: str | Path, *, vocab_size: int = 512, hidden_size: int 
                                    eos_token="<|eos|>", pad_token="<|pad|>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(tmp)
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=hidden_size,
-                         intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
-                         num_attention_heads=num_heads, num_key_value_heads=num_heads,
-                         max_position_embeddings=max_positions, tie_word_embeddings=False,
-                         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-                         pad_token_id=fast.pad_token_id, torch_dtype="float32")
+    config_cls = LlamaConfig if family == "llama" else Qwen2Config
+    config = config_cls(vocab_size=len(fast), hidden_size=hidden_size,
+                        intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
+                        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                        max_position_embeddings=max_positions, tie_word_embeddings=False,
+                        bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+                        pad_token_id=fast.pad_token_id, torch_dtype="float32")
     config.save_pretrained(tmp)
     if path.exists():
         shutil.rmtree(path)
@@ -78,11 +93,11 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
 def new_model(model_dir: str | Path, *, seed: int = 0):
     """A freshly initialised model from the directory's config (deterministic for a seed)."""
     import torch
-    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(model_dir))
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     return model.float()
 
 
@@ -95,7 +110,7 @@ def save_weights(model, out_dir: str | Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(state, str(tmp / WEIGHTS_FILE))
+    save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     (tmp / "meta.json").write_text(json.dumps({"num_tensors": len(state)}))
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -113,3 +128,16 @@ def load_weights(model, weights_dir: str | Path) -> None:
 
 def weights_dir(run_dir: str | Path, version: int) -> Path:
     return Path(run_dir) / "weights" / f"v{version:06d}"
+
+
+def save_weights_into(model, model_dir: str | Path) -> Path:
+    """Write the model's weights into a model directory (`model_dir/model.safetensors`,
+    atomically: temp file, then rename), making it a whole Hugging Face checkpoint."""
+    from safetensors.torch import save_file
+
+    path = Path(model_dir) / WEIGHTS_FILE
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path)
+    return path
