@@ -1,7 +1,8 @@
 """The config schema: frozen dataclasses, one per section of the YAML file.
 
 A config file (and a simulator preset, which is the same thing) has the sections
-`cluster`, `scheduler`, `workload`, `rollout`, `training`, `handoff` and `sim`. Every
+`cluster`, `scheduler`, `workload`, `rollout`, `training`, `handoff`, `sim`, `runtime`
+and `trainer`. Every
 field has a default; a file names only what it changes. Units are in the names
 (`_s` seconds, `_tokens`, `num_` counts). Checks that span fields live in
 `GyreConfig.__post_init__` and say which key to change.
@@ -112,6 +113,16 @@ class WorkloadConfig:
         return self.prompts_per_step * self.group_size
 
 
+def _check_role_python(section: str, python: str | None, image: str | None) -> None:
+    if python is not None and not python.strip():
+        raise ValueError(f"{section}.python is empty: give an interpreter path, "
+                         f"`env:<role>` (tools/role-env) or leave it unset")
+    if python is not None and python.startswith("env:") and not python[4:].strip():
+        raise ValueError(f"{section}.python = {python!r}: name the role, e.g. env:vllm")
+    if image is not None and not image.strip():
+        raise ValueError(f"{section}.container_image is empty: name an image or leave it unset")
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     runs_per_node: int = 4  # concurrent runs a node serves at good throughput (a hard cap)
@@ -119,6 +130,15 @@ class RolloutConfig:
     reprefill_s: float = 30.0  # extra time a migrated run pays on its new cell
     weight_sync_s: float = 10.0  # rollout cells stall this long to load a new policy
     call_interval_s: float = 30.0  # mean time between a run's model calls (migration waits)
+    # The real rollout servers (`gyre run`):
+    engine: Literal["embedded", "vllm"] = "embedded"
+    python: str | None = None  # the engine's interpreter: a path, `env:vllm`, None = gyre's
+    container_image: str | None = None  # run the engine with srun --container-image (pyxis)
+    tensor_parallel: int | None = None  # GPUs per server (None: all of a node's GPUs)
+    max_model_len: int = 2048  # vLLM --max-model-len
+    release: Literal["auto", "sleep", "pause", "stop"] = "auto"  # how a server frees its
+    # GPUs at a handoff to training: auto = sleep on GPUs, pause on CPU (no sleep mode)
+    engine_args: tuple[str, ...] = ()  # extra command-line arguments for vLLM
 
     def __post_init__(self) -> None:
         _positive("runs_per_node", self.runs_per_node)
@@ -126,6 +146,49 @@ class RolloutConfig:
         _positive("reprefill_s", self.reprefill_s, allow_zero=True)
         _positive("weight_sync_s", self.weight_sync_s, allow_zero=True)
         _positive("call_interval_s", self.call_interval_s)
+        _positive("max_model_len", self.max_model_len)
+        if self.tensor_parallel is not None:
+            _positive("tensor_parallel", self.tensor_parallel)
+        _check_role_python("rollout", self.python, self.container_image)
+        if self.engine == "embedded" and (self.engine_args or self.release not in ("auto", "pause")):
+            raise ValueError("rollout.engine_args and rollout.release apply to "
+                             "rollout.engine: vllm; the embedded engine takes neither")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The real trainer (`gyre run`): which backend, its parallelism, its environment."""
+
+    backend: Literal["torch", "megatron"] = "torch"
+    python: str | None = None  # the ranks' interpreter: a path, `env:megatron`, None = gyre's
+    container_image: str | None = None  # run the ranks with srun --container-image (pyxis)
+    tensor_parallel: int = 1  # Megatron TP inside a replica
+    pipeline_parallel: int = 1  # Megatron PP inside a replica
+    ranks_per_node: int | None = None  # training processes per node (None: megatron one
+    # per GPU, or 1 without GPUs; torch 1). The torch backend with one rank per node, its
+    # own Python and no container runs inside the node agent; otherwise ranks are
+    # processes of their own.
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        _positive("tensor_parallel", self.tensor_parallel)
+        _positive("pipeline_parallel", self.pipeline_parallel)
+        _positive("grad_clip", self.grad_clip)
+        if self.ranks_per_node is not None:
+            _positive("ranks_per_node", self.ranks_per_node)
+        _check_role_python("trainer", self.python, self.container_image)
+        if self.backend == "torch" and self.tensor_parallel * self.pipeline_parallel > 1:
+            raise ValueError("trainer.tensor_parallel / pipeline_parallel > 1 need "
+                             "trainer.backend: megatron (the torch backend is data parallel)")
+        if self.backend == "megatron" and self.python is None and self.container_image is None:
+            raise ValueError("trainer.backend: megatron runs in its own environment "
+                             "(megatron-core needs Python >= 3.12): set trainer.python "
+                             "(e.g. env:megatron, built by tools/role-env megatron) or "
+                             "trainer.container_image")
+
+    @property
+    def replica_ranks(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
 
 
 @dataclass(frozen=True)
@@ -199,6 +262,7 @@ class RuntimeConfig:
     clip_eps: float = 0.2
     model_hidden_size: int = 64
     model_layers: int = 2
+    model_family: Literal["llama", "qwen2"] = "llama"  # the tiny model made for the run
     heartbeat_s: float = 0.5
     agent_lost_s: float = 5.0  # a node agent silent this long is lost
     status_interval_s: float = 1.0
@@ -228,8 +292,10 @@ class GyreConfig:
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self) -> None:
+        self._check_engines()
         num_cells = self.cluster.num_cells
         sched = self.scheduler
         floors = sched.min_rollout_cells + sched.min_train_cells
@@ -259,6 +325,54 @@ class GyreConfig:
                 f"{num_cells} cells and a training replica needs {min_train}), "
                 f"got {sched.async_rollout_cells}"
             )
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Training processes per node (the torch backend: 1 unless asked for more)."""
+        if self.trainer.ranks_per_node is not None:
+            return self.trainer.ranks_per_node
+        return 1 if self.trainer.backend == "torch" else max(1, self.cluster.gpus_per_node)
+
+    @property
+    def replica_nodes(self) -> int:
+        """Nodes one model replica (TP x PP ranks) spans."""
+        return math.ceil(self.trainer.replica_ranks / self.ranks_per_node)
+
+    def _check_engines(self) -> None:
+        gpus, tr = self.cluster.gpus_per_node, self.trainer
+        if gpus and tr.ranks_per_node is not None and tr.ranks_per_node > gpus:
+            raise ConfigError(f"trainer.ranks_per_node = {tr.ranks_per_node} exceeds "
+                              f"cluster.gpus_per_node = {gpus}: one rank per GPU at most")
+        rpn = self.ranks_per_node
+        if tr.replica_ranks > rpn and tr.replica_ranks % rpn:
+            raise ConfigError(
+                f"a replica of trainer.tensor_parallel x pipeline_parallel = "
+                f"{tr.replica_ranks} ranks must fill whole nodes of {rpn} ranks "
+                f"(trainer.ranks_per_node); change the parallelism or ranks_per_node")
+        if tr.replica_ranks < rpn and rpn % tr.replica_ranks:
+            raise ConfigError(
+                f"{rpn} ranks per node do not split into replicas of {tr.replica_ranks} "
+                f"(tensor_parallel x pipeline_parallel); change one of them")
+        if self.training.min_replica_nodes < self.replica_nodes:
+            raise ConfigError(
+                f"a replica of {tr.replica_ranks} ranks (trainer.tensor_parallel x "
+                f"pipeline_parallel) spans {self.replica_nodes} nodes of {rpn} ranks, but "
+                f"training.min_replica_nodes = {self.training.min_replica_nodes}: set it to "
+                f"{self.replica_nodes} (or a multiple)")
+        if self.training.min_replica_nodes % self.replica_nodes:
+            raise ConfigError(
+                f"training.min_replica_nodes = {self.training.min_replica_nodes} must be a "
+                f"multiple of the {self.replica_nodes} nodes a replica spans")
+        tp = self.rollout.tensor_parallel
+        if tp is not None and gpus and (tp > gpus or gpus % tp):
+            raise ConfigError(f"rollout.tensor_parallel = {tp} must divide "
+                              f"cluster.gpus_per_node = {gpus} (servers run inside a node)")
+
+    @property
+    def servers_per_node(self) -> int:
+        """Rollout servers on each node of a rollout cell."""
+        gpus, tp = self.cluster.gpus_per_node, self.rollout.tensor_parallel
+        return 1 if not gpus or tp is None else gpus // tp
 
     @property
     def cell_capacity(self) -> int:

@@ -35,5 +35,21 @@ from gyre_slurm.engines.launcher import (
     EngineProcess, engine_command, start_engine, wait_healthy, write_secret,
 )
 
-__all__ = ["EngineClient", "EngineError", "EngineProcess", "engine_command",
+__all__ = ["EngineClient", "EngineError", "EngineProcess", "engine_command", "make_client",
            "start_engine", "wait_healthy", "write_secret"]
+
+
+def make_client(kind: str, base_url: str, secret: str, *, version: int = 0,
+                release_mode: str = "pause"):
+    """The client of an engine of `kind` ("embedded" or "vllm"): one interface.
+
+    vLLM does not know policy versions: its client is told the version the server was
+    started with and tracks the ones it loads, so the loads must go through the same
+    client that generates (the gateway's)."""
+    if kind == "vllm":
+        from gyre_slurm.engines.vllm import VllmClient
+
+        return VllmClient(base_url, secret, version=version, release_mode=release_mode)
+    if kind != "embedded":
+        raise ValueError(f"unknown engine kind {kind!r}")
+    return EngineClient(base_url, secret)

@@ -45,6 +45,7 @@ class EngineProcess:
     log_path: Path
     ready_file: Path
     host: str
+    version: int = 0  # the policy version it started with
     port: int | None = None
     base_url: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
@@ -111,7 +112,8 @@ def start_engine(*, model_dir: str | Path, host: str, weights_dir: str | Path,
                  version: int, secret_file: str | Path, log_path: str | Path,
                  python: str = sys.executable, port: int = 0,
                  model_name: str = "gyre-policy", log_level: str = "INFO",
-                 ready_timeout_s: float | None = 120.0) -> EngineProcess:
+                 ready_timeout_s: float | None = 120.0,
+                 prefix: list[str] | tuple[str, ...] = ()) -> EngineProcess:
     """Start an engine process; with `ready_timeout_s`, wait until it serves (on a
     failure the process is stopped and EngineError carries its log tail)."""
     log_path = Path(log_path)
@@ -122,13 +124,15 @@ def start_engine(*, model_dir: str | Path, host: str, weights_dir: str | Path,
                          version=version, secret_file=secret_file, ready_file=ready_file,
                          port=port, python=python, model_name=model_name,
                          log_level=log_level)
+    cmd = list(prefix) + cmd  # e.g. a container step (gyre_slurm.runtime.roles)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p)
     with open(log_path, "ab") as log_file:
         popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file,
                                  stderr=subprocess.STDOUT, env=env)
-    proc = EngineProcess(popen=popen, log_path=log_path, ready_file=ready_file, host=host)
+    proc = EngineProcess(popen=popen, log_path=log_path, ready_file=ready_file, host=host,
+                         version=version)
     log.info("started engine pid %d on %s (log %s)", popen.pid, host, log_path)
     if ready_timeout_s is not None:
         try:

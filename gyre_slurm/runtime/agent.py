@@ -42,9 +42,12 @@ class NodeAgent:
         self.node_index, self.addr = node_index, addr
         self.secret = self.rd.secret()
         self.coordinator = ControlClient(coordinator_url, self.secret, timeout_s=10)
-        self.engine = None  # gyre_slurm.engines.launcher EngineProcess
-        self.engine_client = None
+        from gyre_slurm.runtime.roles import read_roles
+
+        self.roles = read_roles(self.rd.path)
+        self.engines: list = []  # (engine process, client) of this node's servers
         self.worker = None  # gyre_slurm.train.worker.TrainerWorker, made on first use
+        self.ranks = None  # runtime.ranks.RankProcesses, when ranks are processes
         self.trainer_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         self.stopping = asyncio.Event()
         self.last_contact = time.monotonic()
@@ -66,12 +69,19 @@ class NodeAgent:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")})
         log.info("node agent %d serving on %s", self.node_index, url)
         beat = asyncio.create_task(self.heartbeat())
-        # Import the trainer's libraries now, off the event loop, so that the first
-        # handoff to training does not pay for them.
-        asyncio.get_running_loop().run_in_executor(self.trainer_pool, self._worker)
+        # Import the trainer's libraries (or start the rank processes) now, off the event
+        # loop, so that the first handoff to training does not pay for them.
+        if self.in_process_trainer:
+            asyncio.get_running_loop().run_in_executor(self.trainer_pool, self._worker)
+        else:
+            warm = asyncio.create_task(self._rank_processes())
+            warm.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.error(
+                "training ranks failed to start: %s", t.exception()))
         await self.stopping.wait()
         beat.cancel()
         await self.shutdown_engine()
+        if self.ranks is not None:
+            await self.ranks.stop()
         await runner.cleanup()
         await self.coordinator.close()
 
@@ -104,92 +114,203 @@ class NodeAgent:
         return web.json_response(result or {})
 
     # -- engine ----------------------------------------------------------------------
-    async def cmd_start_engine(self, *, version: int) -> dict:
-        from gyre_slurm.engines import EngineClient, start_engine
+    # A rollout cell runs `servers_per_node` servers on each of its nodes (one per
+    # `rollout.tensor_parallel` GPUs; one on CPU). They are kept across handoffs and
+    # released (sleep on GPUs, pause on CPU, or stopped with `rollout.release: stop`).
+    def _release_mode(self) -> str:
+        mode = self.cfg.rollout.release
+        if mode == "auto":
+            return "sleep" if self.cfg.cluster.gpus_per_node else "pause"
+        return mode
 
+    def _engine_gpus(self, k: int) -> str | None:
+        gpus = self.cfg.cluster.gpus_per_node
+        if not gpus:
+            return None
+        per = gpus // self.cfg.servers_per_node
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+        ids = visible or [str(i) for i in range(gpus)]
+        return ",".join(ids[k * per:(k + 1) * per])
+
+    def _start_one(self, k: int, version: int):
+        from gyre_slurm.engines import start_engine
+        from gyre_slurm.runtime.roles import command_prefix
+
+        role = self.roles["rollout"]
+        log_path = self.rd.log(f"engine-node{self.node_index}-s{k}")
+        if self.cfg.rollout.engine == "vllm":
+            from gyre_slurm.engines.vllm import start_vllm
+
+            return start_vllm(
+                python=role["python"], prefix=command_prefix(role, run_dir=self.rd.path),
+                model_dir=self.rd.model_dir, weights_dir=weights_dir(self.rd.path, version),
+                version=version, host=self.addr, secret_file=self.rd.secret_file,
+                log_path=log_path, serve_dir=self.rd.path / "engines" / f"node{self.node_index}-s{k}",
+                tensor_parallel=self.cfg.rollout.tensor_parallel or max(
+                    1, self.cfg.cluster.gpus_per_node),
+                max_model_len=self.cfg.rollout.max_model_len,
+                extra_args=list(self.cfg.rollout.engine_args),
+                sleep_mode=self._release_mode() == "sleep",
+                cuda_visible_devices=self._engine_gpus(k))
+        return start_engine(model_dir=self.rd.model_dir, host=self.addr,
+                            weights_dir=weights_dir(self.rd.path, version), version=version,
+                            secret_file=self.rd.secret_file, log_path=log_path,
+                            python=role["python"],
+                            prefix=command_prefix(role, run_dir=self.rd.path))
+
+    def _client(self, proc):
+        if self.cfg.rollout.engine == "vllm":
+            from gyre_slurm.engines.vllm import VllmClient
+
+            return VllmClient(proc.base_url, self.secret, version=proc.version,
+                              release_mode=self._release_mode())
+        from gyre_slurm.engines import EngineClient
+
+        return EngineClient(proc.base_url, self.secret)
+
+    async def cmd_start_engine(self, *, version: int) -> dict:
         t0 = time.monotonic()
-        if self.engine is None:
-            self.engine = await asyncio.to_thread(
-                start_engine, model_dir=self.rd.model_dir, host=self.addr,
-                weights_dir=weights_dir(self.rd.path, version), version=version,
-                secret_file=self.rd.secret_file,
-                log_path=self.rd.log(f"engine-node{self.node_index}"))
-            self.engine_client = EngineClient(self.engine.base_url, self.secret)
+        if not self.engines:
+            procs = await asyncio.gather(*(asyncio.to_thread(self._start_one, k, version)
+                                           for k in range(self.cfg.servers_per_node)))
+            self.engines = [(proc, self._client(proc)) for proc in procs]
         else:
-            await self.engine_client.resume(str(weights_dir(self.rd.path, version)), version)
-        return {"base_url": self.engine.base_url, "engine_start_s": time.monotonic() - t0}
+            path = str(weights_dir(self.rd.path, version))
+            await asyncio.gather(*(client.resume(path, version) for _, client in self.engines))
+        return {"base_urls": [proc.base_url for proc, _ in self.engines],
+                "engine_kind": self.cfg.rollout.engine,
+                "engine_start_s": time.monotonic() - t0}
 
     async def cmd_release_engine(self) -> dict:
         t0 = time.monotonic()
-        if self.engine_client is not None:
-            await self.engine_client.release()
+        if self._release_mode() == "stop":
+            await self.shutdown_engine()
+        else:
+            await asyncio.gather(*(client.release() for _, client in self.engines))
         return {"engine_release_s": time.monotonic() - t0}
 
     async def cmd_load_weights(self, *, version: int) -> dict:
         t0 = time.monotonic()
-        await self.engine_client.load_weights(str(weights_dir(self.rd.path, version)), version)
+        path = str(weights_dir(self.rd.path, version))
+        await asyncio.gather(*(client.load_weights(path, version) for _, client in self.engines))
         return {"weight_load_s": time.monotonic() - t0}
 
     async def shutdown_engine(self) -> None:
-        if self.engine_client is not None:
-            await self.engine_client.close()
-        if self.engine is not None:
-            await asyncio.to_thread(self.engine.stop, 10.0)
-            self.engine = None
+        engines, self.engines = self.engines, []
+        for proc, client in engines:
+            await client.close()
+        await asyncio.gather(*(asyncio.to_thread(proc.stop, 10.0) for proc, _ in engines))
 
     # -- trainer ---------------------------------------------------------------------
+    # The torch backend with one rank per node and gyre's own Python trains inside this
+    # process (a thread), so a handoff rebuilds groups without starting Python; any
+    # other trainer runs as long-lived rank processes (`train.rankproc`), one per rank.
+    @property
+    def in_process_trainer(self) -> bool:
+        tr = self.cfg.trainer
+        return (tr.backend == "torch" and tr.python is None and tr.container_image is None
+                and self.cfg.ranks_per_node == 1)
+
     def _worker(self):
         if self.worker is None:
             from gyre_slurm.train.worker import TrainerWorker
 
             rt = self.cfg.runtime
             self.worker = TrainerWorker(model_dir=self.rd.model_dir, node_index=self.node_index,
-                                        lr=rt.lr, seed=self.cfg.sim.seed)
+                                        lr=rt.lr, seed=self.cfg.sim.seed,
+                                        grad_clip=self.cfg.trainer.grad_clip)
         return self.worker
 
-    async def _train(self, method: str, *args, **kwargs):
-        """Run a TrainerWorker method on the trainer thread (made there on first use)."""
+    async def _rank_processes(self):
+        if self.ranks is None:
+            from gyre_slurm.runtime.ranks import RankProcesses, rank_envs
+            from gyre_slurm.runtime.roles import PACKAGE_ROOT, command_prefix
+
+            tr, rt, n = self.cfg.trainer, self.cfg.runtime, self.cfg.ranks_per_node
+            role = self.roles["trainer"]
+            base = command_prefix(role, run_dir=self.rd.path) + [
+                role["python"], "-m", "gyre_slurm.train.rankproc", "--backend", tr.backend,
+                "--model-dir", str(self.rd.model_dir), "--node-index", str(self.node_index),
+                "--lr", str(rt.lr), "--seed", str(self.cfg.sim.seed),
+                "--grad-clip", str(tr.grad_clip), "--tp", str(tr.tensor_parallel),
+                "--pp", str(tr.pipeline_parallel)]
+            envs = rank_envs(n, gpus=self.cfg.cluster.gpus_per_node)
+            for env in envs:
+                env["PYTHONPATH"] = os.pathsep.join(
+                    p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p)
+            self.ranks = RankProcesses(
+                commands=[base + ["--local-rank", str(i)] for i in range(n)], envs=envs,
+                log_paths=[self.rd.log(f"trainer-node{self.node_index}-r{i}")
+                           for i in range(n)])
+            await self.ranks.start()
+        return self.ranks
+
+    async def _train(self, method: str, args: list[dict] | dict) -> list[dict]:
+        """Run a trainer method on every local rank; their answers in rank order."""
+        n = self.cfg.ranks_per_node
+        args = args if isinstance(args, list) else [dict(args) for _ in range(n)]
+        if not self.in_process_trainer:
+            ranks = await self._rank_processes()
+            return await ranks.call(method, args)
+        from gyre_slurm.train import rankproc
+
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self.trainer_pool, lambda: getattr(self._worker(), method)(*args, **kwargs))
+        result = await loop.run_in_executor(
+            self.trainer_pool, lambda: rankproc.dispatch(self._worker(), method, args[0]))
+        return [result]
 
     async def cmd_join(self, *, generation: int, world_size: int, store_host: str,
-                       store_port: int, rank: int, src_rank: int,
+                       store_port: int, rank: int, src_rank: int, backend: str = "gloo",
                        init_weights: str | None = None, checkpoint: str | None = None) -> dict:
-        from gyre_slurm.train.dist import WorldSpec
-
-        spec = WorldSpec(generation=generation, world_size=world_size, store_host=store_host,
-                         store_port=store_port, backend="gloo")
-        times = await self._train("join", spec, rank, src_rank=src_rank,
-                                  init_weights=Path(init_weights) if init_weights else None,
-                                  checkpoint=Path(checkpoint) if checkpoint else None)
-        return {**times, "version": self.worker.version}
+        """`rank`: this node's first rank; its local ranks are rank, rank + 1, ..."""
+        spec = {"generation": generation, "world_size": world_size, "store_host": store_host,
+                "store_port": store_port, "backend": backend}
+        results = await self._train("join", [
+            {"spec": spec, "rank": rank + i, "src_rank": src_rank,
+             "init_weights": init_weights, "checkpoint": checkpoint}
+            for i in range(self.cfg.ranks_per_node)])
+        merged = _merge(results, how=max)
+        merged["version"] = results[0].get("version", 0)
+        return merged
 
     async def cmd_flush(self, *, keep_rank: int = 0) -> dict:
-        await self._train("flush", keep_rank=keep_rank)
+        await self._train("flush", {"keep_rank": keep_rank})
         return {}
 
     async def cmd_leave(self) -> dict:
-        return await self._train("leave") or {}
+        return _merge(await self._train("leave", {}), how=max)
 
     async def cmd_train_mb(self, *, path: str, num_step_tokens: int) -> dict:
-        import json
-
-        mb = json.loads(Path(path).read_text())
-        return await self._train("train_microbatch", mb, num_step_tokens=num_step_tokens)
+        results = await self._train("train_mb", {"path": path,
+                                                 "num_step_tokens": num_step_tokens})
+        return _merge(results, how=lambda a, b: a + b)
 
     async def cmd_step(self, *, publish_dir: str | None, num_step_tokens: int) -> dict:
-        return await self._train("optimizer_step",
-                                 publish_dir=Path(publish_dir) if publish_dir else None,
-                                 num_step_tokens=num_step_tokens)
+        results = await self._train("step", [
+            {"publish_dir": publish_dir, "num_step_tokens": num_step_tokens}
+            for _ in range(self.cfg.ranks_per_node)])
+        return results[0]
 
     async def cmd_save(self, *, path: str) -> dict:
-        await self._train("save_checkpoint", Path(path))
+        await self._train("save", {"path": path})
         return {}
+
+    async def cmd_digests(self) -> dict:
+        return {"ranks": await self._train("digests", {})}
 
     async def cmd_shutdown(self) -> dict:
         asyncio.get_running_loop().call_later(0.05, self.stopping.set)
         return {}
+
+
+def _merge(results: list[dict], *, how) -> dict:
+    """Numeric fields of the local ranks' answers combined with `how` (sum, max)."""
+    merged: dict = {}
+    for res in results:
+        for key, value in res.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                merged[key] = how(merged[key], value) if key in merged else value
+    return merged
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,7 @@ async def save(coord) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     t0 = time.monotonic()
-    await coord.world.save(tmp / "trainer.pt")
+    await coord.world.save(tmp / coord.world.state_name)
     write_json_atomic(tmp / "coordinator.json", {"version": version, "name": coord.cfg.name,
                                                  "t": time.time()})
     if final.exists():
@@ -61,7 +61,11 @@ def load_for_resume(coord) -> int:
     if not tiny.weights_dir(rd.path, version).is_dir():
         raise UserError(f"--resume: checkpoint {latest} names policy version {version} but "
                         f"{tiny.weights_dir(rd.path, version)} is missing")
-    coord.resume_state = latest / "trainer.pt"
+    state = [latest / name for name in ("trainer.pt", "trainer") if (latest / name).exists()]
+    if not state:
+        raise UserError(f"--resume: checkpoint {latest} holds no trainer state "
+                        f"(trainer.pt or trainer/)")
+    coord.resume_state = state[0]
     rd.event("resume", checkpoint=str(latest), version=version)
     _drop_uncommitted_stream(rd, version)
     return version

@@ -64,7 +64,7 @@ class Coordinator:
         self.agents: dict[int, ControlClient] = {}
         self.heartbeats: dict[int, float] = {}
         self.registered = asyncio.Event()
-        self.engine_clients: dict = {}  # cell -> the gateway's EngineClient for it
+        self.engine_clients: dict = {}  # cell -> {gateway server id: its engine client}
         self.table: CellTable | None = None
         self.world: TrainWorld | None = None
         self.gateway = None
@@ -87,7 +87,8 @@ class Coordinator:
         self.rd.create(self.cfg)
         rt = self.cfg.runtime
         tiny.make_model_dir(self.rd.model_dir, hidden_size=rt.model_hidden_size,
-                            num_layers=rt.model_layers)
+                            num_layers=rt.model_layers, family=rt.model_family,
+                            max_positions=max(4096, self.cfg.rollout.max_model_len))
         tiny.save_weights(tiny.new_model(self.rd.model_dir, seed=self.cfg.sim.seed),
                           tiny.weights_dir(self.rd.path, 0))
         return 0
@@ -113,9 +114,13 @@ class Coordinator:
                                api_key=secret, default_max_tokens=self.cfg.runtime.max_tokens)
         gw_port = await self.gateway.start(self.addr0, 0)
         self.gateway_url = f"http://{self.addr0}:{gw_port}"
+        cfg = self.cfg
         self.world = TrainWorld(run_dir=self.rd.path, store_host=self.addr0, store_port=store_port,
                                 agents=self.agents, init_weights=tiny.weights_dir(self.rd.path, 0),
-                                checkpoint=self.resume_state)
+                                checkpoint=self.resume_state, ranks_per_node=cfg.ranks_per_node,
+                                replica_nodes=cfg.replica_nodes,
+                                reshard=cfg.trainer.backend == "megatron",
+                                backend="nccl" if cfg.cluster.gpus_per_node else "gloo")
         self.rollouts = RolloutManager(cfg=self.cfg, rd=self.rd, book=self.book,
                                        gateway=self.gateway, gateway_url=self.gateway_url,
                                        api_key=secret, flush_calls=self.call_writer.flush)
@@ -160,6 +165,11 @@ class Coordinator:
         self.resume_state = None
         version = self.prepare_run_dir()
         self.book.mark_trained_before(version)
+        from gyre_slurm.runtime.roles import resolve_roles
+
+        # Interpreters of the engine and trainer roles (a role env may be built now):
+        # a missing one is refused before any process starts.
+        await asyncio.to_thread(resolve_roles, self.cfg, self.rd.path)
         await self.start_services()
         self.launcher.start(self.control_url)
         try:
@@ -209,8 +219,9 @@ class Coordinator:
         await asyncio.to_thread(self.launcher.stop)
         for client in self.agents.values():
             await client.close()
-        for client in self.engine_clients.values():
-            await client.close()
+        for clients in self.engine_clients.values():
+            for client in clients.values():
+                await client.close()
         if self.gateway is not None:
             await self.gateway.stop()
         self.call_writer.close()
@@ -292,11 +303,16 @@ class Coordinator:
                       seconds=time.monotonic() - t0, stats=stats)
 
     # -- observation and status ------------------------------------------------------
+    def cell_runs(self, cell: int, load: dict) -> int:
+        """Runs on the cell's servers (`load`: the gateway's server_load())."""
+        return sum(int(load.get(sid, {}).get("runs", 0))
+                   for sid in self.engine_clients.get(cell, {}))
+
     def observe(self) -> Observation:
         now = time.time() - self.t0
         load = self.gateway.server_load()
         cells = tuple(CellObs(c.cell_id, c.role, c.target, c.standalone,
-                              int(load.get(f"cell{c.cell_id}", {}).get("runs", 0)),
+                              self.cell_runs(c.cell_id, load),
                               c.since_s) for c in self.table.cells)
         rate = statistics.median(self.train_rate[-20:]) if self.train_rate else 1000.0
         traj_tokens = [len(t["token_ids"]) for s in self.book.steps for t in s.ready]
@@ -337,7 +353,7 @@ class Coordinator:
             "num_steps": self.book.num_steps,
             "cells": [{"cell": c.cell_id, "nodes": list(c.nodes), "role": c.role.value,
                        "target": c.target.value if c.target else None,
-                       "runs": load.get(f"cell{c.cell_id}", {}).get("runs", 0)}
+                       "runs": self.cell_runs(c.cell_id, load)}
                       for c in self.table.cells] if self.table else [],
             "runs": {s: self.book.count(s) for s in ("pending", "running", "ok", "failed",
                                                      "timeout", "trained")},

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 
+from gyre_slurm.models import tiny
 from gyre_slurm.sched.cells import Role
 from gyre_slurm.sched.types import Decision
 
@@ -48,28 +49,49 @@ async def _guard(coord, fn, cells: list[int], wait: bool) -> None:
         coord.busy_cells.difference_update(cells)
 
 
+def server_ids(coord, cell: int) -> list[str]:
+    return list(coord.engine_clients.get(cell, {}))
+
+
 async def bring_up_engine(coord, cell: int) -> float:
-    node = coord.nodes_of(cell)[0]  # one server per cell (tensor parallel over its GPUs)
+    """Start (or resume) the servers of every node of the cell, bring them to the
+    current policy and add them to the gateway; the slowest node's start seconds."""
+    from gyre_slurm.engines import make_client
+
     version = coord.book.version
-    res = await coord.agents[node].post("/cmd/start_engine", {"version": version})
+    nodes = coord.nodes_of(cell)
+    results = await asyncio.gather(*(coord.agents[n].post("/cmd/start_engine",
+                                                          {"version": version})
+                                     for n in nodes))
+    clients = {}
+    mode = coord.cfg.rollout.release
+    if mode == "auto":
+        mode = "sleep" if coord.cfg.cluster.gpus_per_node else "pause"
+    for node, res in zip(nodes, results):
+        for k, url in enumerate(res["base_urls"]):
+            clients[f"cell{cell}-n{node}-s{k}"] = make_client(
+                res.get("engine_kind", "embedded"), url, coord.rd.secret(), version=version,
+                release_mode=mode)
     while coord.book.version != version:  # a step finished meanwhile: catch up
         version = coord.book.version
-        await coord.agents[node].post("/cmd/load_weights", {"version": version})
-    from gyre_slurm.engines import EngineClient
-
-    client = EngineClient(res["base_url"], coord.rd.secret())
-    coord.engine_clients[cell] = client
-    coord.gateway.add_server(f"cell{cell}", client, capacity=coord.cfg.runtime.runs_per_cell)
-    return float(res.get("engine_start_s", 0.0))
+        path = str(tiny.weights_dir(coord.rd.path, version))
+        await asyncio.gather(*(c.load_weights(path, version) for c in clients.values()))
+    coord.engine_clients[cell] = clients
+    for sid, client in clients.items():
+        coord.gateway.add_server(sid, client, capacity=max(
+            1, coord.cfg.runtime.runs_per_cell // len(clients)))
+    return max(float(res.get("engine_start_s", 0.0)) for res in results)
 
 
 async def load_weights_everywhere(coord, version: int) -> None:
-    """Every serving engine loads the new policy (in place, between calls)."""
+    """Every serving engine loads the new policy in place, between calls, through the
+    gateway's own client (the one that records which version answered each call)."""
     cells = [c for c in coord.engine_clients if c not in coord.busy_cells and
              coord.table[c].role is Role.ROLLOUT]
     t0 = time.monotonic()
-    await asyncio.gather(*(coord.agents[coord.nodes_of(c)[0]].post(
-        "/cmd/load_weights", {"version": version}) for c in cells))
+    path = str(tiny.weights_dir(coord.rd.path, version))
+    await asyncio.gather(*(client.load_weights(path, version) for c in cells
+                           for client in coord.engine_clients[c].values()))
     coord.rd.event("weights_loaded", version=version, cells=cells,
                    seconds=time.monotonic() - t0)
 
@@ -78,20 +100,22 @@ async def to_train_cells(coord, cells: list[int], *, wait: bool) -> None:
     t0 = time.monotonic()
     for c in cells:
         coord.table.begin_handoff(c, Role.TRAIN, now_s=time.time() - coord.t0)
-        coord.gateway.drain_server(f"cell{c}")
+        for sid in server_ids(coord, c):
+            coord.gateway.drain_server(sid)
     while any(_busy(coord, c, wait=wait) for c in cells):
         await asyncio.sleep(0.05)
     phases = {"drain_s": time.monotonic() - t0}
     t1 = time.monotonic()
     for c in cells:
-        coord.gateway.remove_server(f"cell{c}")
-        await coord.engine_clients.pop(c).close()
+        for sid, client in coord.engine_clients.pop(c).items():
+            coord.gateway.remove_server(sid)
+            await client.close()
         coord.table.begin_loading(c, now_s=time.time() - coord.t0)
-    await asyncio.gather(*(coord.agents[coord.nodes_of(c)[0]].post("/cmd/release_engine")
-                           for c in cells))
+    await asyncio.gather(*(coord.agents[n].post("/cmd/release_engine")
+                           for c in cells for n in coord.nodes_of(c)))
     phases["engine_release_s"] = time.monotonic() - t1
     async with coord.world.lock:
-        new = sorted(set(coord.world.members) | {n for c in cells for n in coord.nodes_of(c)})
+        new = sorted(set(coord.world.nodes) | {n for c in cells for n in coord.nodes_of(c)})
         phases.update(await coord.world.rebuild(new))
     for c in cells:
         coord.table.finish_handoff(c, now_s=time.time() - coord.t0)
@@ -108,7 +132,7 @@ async def to_rollout_cells(coord, cells: list[int], *, wait: bool = False) -> No
         for c in cells:
             coord.table.begin_loading(c, now_s=time.time() - coord.t0)
         leaving = {n for c in cells for n in coord.nodes_of(c)}
-        phases.update(await coord.world.rebuild([n for n in coord.world.members
+        phases.update(await coord.world.rebuild([n for n in coord.world.nodes
                                                  if n not in leaving]))
     t1 = time.monotonic()
     starts = await asyncio.gather(*(bring_up_engine(coord, c) for c in cells))
@@ -123,5 +147,9 @@ async def to_rollout_cells(coord, cells: list[int], *, wait: bool = False) -> No
 def _busy(coord, cell: int, *, wait: bool) -> bool:
     """A draining server is done when no call is in flight on it (migrate: its runs move
     at their next call) or, with the `wait` drain, when none of its runs is left."""
-    load = coord.gateway.server_load().get(f"cell{cell}", {})
-    return bool(load.get("in_flight", 0) or (wait and load.get("runs", 0)))
+    loads = coord.gateway.server_load()
+    for sid in server_ids(coord, cell):
+        load = loads.get(sid, {})
+        if load.get("in_flight", 0) or (wait and load.get("runs", 0)):
+            return True
+    return False

@@ -7,6 +7,18 @@ on the coordinator's one long-lived TCPStore — and receives weights and optimi
 from a member that stays (`src_rank`). When no member stays (colocate's phases, a first
 world, a resume), the state travels through a file: the last world's rank 0 saves it
 to `RUN_DIR/trainer_state/state.pt`, and the next world loads it.
+
+Ranks: a node holds `ranks_per_node` ranks (node at position i of the members: ranks
+i*R .. i*R+R-1). A world holds whole replicas (`replica_nodes` nodes each, TP x PP
+ranks): training nodes beyond the last whole replica wait, outside the world, until
+more arrive (`nodes` lists them all, `members` those in the world).
+
+Resharding backends (Megatron: a model sharded TP x PP) cannot broadcast their state
+into another layout: at every rebuild the old world saves a `dist_checkpointing`
+checkpoint together (model, optimizer, version and the gradients accumulated so far),
+and every member of the new world loads it resharded to its layout
+(`RUN_DIR/trainer_state/gen<N>/`; the previous one is removed once the next world
+stands).
 """
 
 from __future__ import annotations
@@ -15,6 +27,8 @@ import asyncio
 import time
 from pathlib import Path
 
+import shutil
+
 from gyre_slurm.runtime.control import ControlClient
 from gyre_slurm.runtime.fsio import write_json_atomic
 
@@ -22,11 +36,15 @@ from gyre_slurm.runtime.fsio import write_json_atomic
 class TrainWorld:
     def __init__(self, *, run_dir: Path, store_host: str, store_port: int,
                  agents: dict[int, ControlClient], init_weights: Path,
-                 checkpoint: Path | None = None):
+                 checkpoint: Path | None = None, ranks_per_node: int = 1,
+                 replica_nodes: int = 1, reshard: bool = False, backend: str = "gloo"):
         self.run_dir = run_dir
         self.store_host, self.store_port = store_host, store_port
         self.agents = agents
-        self.members: list[int] = []  # node indices; rank = position
+        self.ranks_per_node, self.replica_nodes = ranks_per_node, replica_nodes
+        self.reshard, self.backend = reshard, backend
+        self.nodes: list[int] = []  # every node in the training role
+        self.members: list[int] = []  # node indices in the world; first rank = position * R
         self.generation = 0
         self.init_weights = init_weights
         self.handover: Path | None = checkpoint  # state file for a world nobody stays in
@@ -35,6 +53,11 @@ class TrainWorld:
     @property
     def state_file(self) -> Path:
         return self.run_dir / "trainer_state" / "state.pt"
+
+    @property
+    def state_name(self) -> str:
+        """A checkpoint's trainer state: a file, or a dist_checkpointing directory."""
+        return "trainer" if self.reshard else "trainer.pt"
 
     async def _all(self, nodes, path: str, payload=None, per_rank=None) -> list[dict]:
         calls = []
@@ -45,16 +68,27 @@ class TrainWorld:
             calls.append(self.agents[node].post(path, body))
         return list(await asyncio.gather(*calls))
 
-    async def rebuild(self, members: list[int]) -> dict:
+    async def rebuild(self, nodes: list[int]) -> dict:
         """Change membership (callers hold `lock`). Returns timings per phase."""
-        old, new = list(self.members), list(members)
+        self.nodes = list(nodes)
+        whole = len(nodes) // self.replica_nodes * self.replica_nodes
+        old, new = list(self.members), list(nodes[:whole])
         t0 = time.monotonic()
         timings: dict[str, float] = {}
-        staying = [n for n in old if n in new]
-        if old:  # gradients so far end up on a member that stays (or the handover file)
-            keep = old.index(staying[0]) if staying else 0
+        if old == new:
+            return timings
+        staying = [] if self.reshard else [n for n in old if n in new]
+        R = self.ranks_per_node
+        previous = self.handover
+        if old and self.reshard:  # the whole state, resharded by whoever loads it
+            path = self.run_dir / "trainer_state" / f"gen{self.generation:06d}"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            await self._all(old, "/cmd/save", {"path": str(path)})
+            self.handover = path
+        elif old:  # gradients so far end up on a member that stays (or the handover file)
+            keep = old.index(staying[0]) * R if staying else 0
             await self._all(old, "/cmd/flush", {"keep_rank": keep})
-        if old and not staying:
+        if old and not staying and not self.reshard:
             self.state_file.parent.mkdir(parents=True, exist_ok=True)
             await self.agents[old[0]].post("/cmd/save", {"path": str(self.state_file)})
             self.handover = self.state_file
@@ -66,19 +100,23 @@ class TrainWorld:
         self.members = new
         if new:
             self.generation += 1
-            src = new.index(staying[0]) if staying else 0
+            src = new.index(staying[0]) * R if staying else 0
             checkpoint = None if staying else self.handover
             results = await self._all(new, "/cmd/join", {
-                "generation": self.generation, "world_size": len(new),
+                "generation": self.generation, "world_size": len(new) * R,
                 "store_host": self.store_host, "store_port": self.store_port,
-                "src_rank": src, "init_weights": str(self.init_weights),
+                "backend": self.backend, "src_rank": src,
+                "init_weights": str(self.init_weights),
                 "checkpoint": str(checkpoint) if checkpoint else None,
-            }, per_rank=lambda rank, _node: {"rank": rank})
+            }, per_rank=lambda pos, _node: {"rank": pos * R})
             for res in results:
                 for key, value in res.items():
                     if isinstance(value, (int, float)):
                         timings[key] = max(timings.get(key, 0.0), float(value))
         timings["rebuild_s"] = time.monotonic() - t1
+        if (self.reshard and previous is not None and previous != self.handover
+                and previous.parent == self.run_dir / "trainer_state"):
+            shutil.rmtree(previous, ignore_errors=True)  # the new world stands without it
         return timings
 
     async def train_microbatch(self, batch: list[dict], path: Path) -> dict:
@@ -93,10 +131,15 @@ class TrainWorld:
         return merged
 
     async def optimizer_step(self, *, publish_dir: Path, num_step_tokens: int) -> dict:
+        # Every rank takes part in publishing (a sharded model is gathered first); the
+        # world's rank 0 writes.
         results = await self._all(self.members, "/cmd/step", {
-            "num_step_tokens": num_step_tokens},
-            per_rank=lambda rank, _n: {"publish_dir": str(publish_dir) if rank == 0 else None})
+            "num_step_tokens": num_step_tokens, "publish_dir": str(publish_dir)})
         return results[0]
 
     async def save(self, path: Path) -> None:
-        await self.agents[self.members[0]].post("/cmd/save", {"path": str(path)})
+        """A checkpoint of the trainer state (every member takes part when resharding)."""
+        if self.reshard:
+            await self._all(self.members, "/cmd/save", {"path": str(path)})
+        else:
+            await self.agents[self.members[0]].post("/cmd/save", {"path": str(path)})

@@ -1,0 +1,135 @@
+"""A training rank as a process of its own, driven over its stdin and stdout.
+
+    PYTHON -m gyre_slurm.train.rankproc --backend torch|megatron --model-dir DIR \
+        --node-index I --local-rank L [--lr --seed --grad-clip --tp --pp]
+
+The node agent starts one per training rank of its node when the trainer cannot live in
+the agent itself: Megatron-core (another Python: megatron-core needs 3.12 and its own
+torch build), several ranks per node (one per GPU), a container. The process keeps its
+worker (`TrainerWorker` or `MegatronWorker`: one API) for the whole job, so a handoff
+rebuilds process groups without starting Python again.
+
+Protocol: one JSON object per line. Request `{"id": N, "method": NAME, "args": {...}}`;
+answer `{"id": N, "result": {...}}` or `{"id": N, "error": "Type: message",
+"traceback": "..."}`. Methods run one at a time in arrival order (collectives must be
+issued in the same order on every rank). Methods: join (args: spec {generation,
+world_size, store_host, store_port, backend}, rank, src_rank, init_weights,
+checkpoint), flush, leave, train_mb (args: path of a micro-batch JSON file,
+num_step_tokens), step (publish_dir, num_step_tokens), save (path), digests,
+token_logprobs (token_ids), ping. stdout carries only answers (anything else printed
+goes to stderr, the rank's log). The process exits at EOF on stdin, and when its
+parent (the node agent) dies, even while blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def make_worker(args):
+    if args.backend == "megatron":
+        from gyre_slurm.train.megatron.worker import MegatronWorker
+
+        return MegatronWorker(model_dir=args.model_dir, node_index=args.node_index,
+                              lr=args.lr, seed=args.seed, grad_clip=args.grad_clip,
+                              tensor_parallel=args.tp, pipeline_parallel=args.pp)
+    from gyre_slurm.train.worker import TrainerWorker
+
+    return TrainerWorker(model_dir=args.model_dir, node_index=args.node_index, lr=args.lr,
+                         seed=args.seed, grad_clip=args.grad_clip)
+
+
+def _path(value):
+    return None if value is None else Path(value)
+
+
+def dispatch(worker, method: str, a: dict):
+    if method == "ping":
+        return {"pid": os.getpid()}
+    if method == "join":
+        from gyre_slurm.train.dist import WorldSpec
+
+        times = worker.join(WorldSpec(**a["spec"]), int(a["rank"]), src_rank=int(a["src_rank"]),
+                            init_weights=_path(a.get("init_weights")),
+                            checkpoint=_path(a.get("checkpoint")))
+        return {**times, "version": worker.version}
+    if method == "flush":
+        worker.flush(keep_rank=int(a.get("keep_rank", 0)))
+        return {}
+    if method == "leave":
+        return worker.leave() or {}
+    if method == "train_mb":
+        mb = json.loads(Path(a["path"]).read_text())
+        return worker.train_microbatch(mb, num_step_tokens=a["num_step_tokens"])
+    if method == "step":
+        return worker.optimizer_step(publish_dir=_path(a.get("publish_dir")),
+                                     num_step_tokens=a.get("num_step_tokens"))
+    if method == "save":
+        worker.save_checkpoint(Path(a["path"]))
+        return {}
+    if method == "digests":
+        return worker.digests()
+    if method == "token_logprobs":
+        return {"logprobs": worker.token_logprobs([int(t) for t in a["token_ids"]])}
+    raise ValueError(f"unknown method {method!r}")
+
+
+def _watch_parent(parent: int) -> None:
+    while True:
+        if os.getppid() != parent:
+            log.error("the node agent (pid %d) is gone: exiting", parent)
+            os._exit(3)
+        time.sleep(1.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="one gyre training rank")
+    p.add_argument("--backend", choices=("torch", "megatron"), required=True)
+    p.add_argument("--model-dir", type=Path, required=True)
+    p.add_argument("--node-index", type=int, required=True)
+    p.add_argument("--local-rank", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=(
+        f"%(asctime)s node{args.node_index}.{args.local_rank} %(levelname)s %(name)s: "
+        "%(message)s"))
+    # stdout is the answer channel: keep it, and send every other print to the log.
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    worker = make_worker(args)
+    answers.write(json.dumps({"id": 0, "result": {"ready": True, "pid": os.getpid()}}) + "\n")
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            req = json.loads(line)
+            rid = req.get("id")
+            result = dispatch(worker, req["method"], req.get("args") or {})
+            answer = {"id": rid, "result": result}
+        except Exception as exc:  # noqa: BLE001 - every failure goes back to the agent
+            log.exception("request failed")
+            answer = {"id": locals().get("rid"), "error": f"{type(exc).__name__}: {exc}",
+                      "traceback": traceback.format_exc()}
+        answers.write(json.dumps(answer, default=float) + "\n")
+    log.info("stdin closed: exiting")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
