@@ -1,0 +1,41 @@
+"""`gyre run` with other engines and trainers than the embedded defaults: training ranks
+as processes of their own (several per node), vLLM rollout servers, Megatron-core ranks
+in their own Python environment. Real processes, real process groups, real engines."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from gyre_slurm.runtime.fsio import read_jsonl
+from runtime_checks import check_run_dir
+from test_runtime_e2e import FAST, gyre_run
+
+pytestmark = pytest.mark.slow
+
+
+def test_torch_ranks_as_processes_two_per_node(tmp_path):
+    """The torch backend run as rank processes (its own interpreter named), two ranks per
+    node: worlds of 2 x nodes ranks, rebuilt at every handoff, nothing lost or repeated."""
+    run_dir = tmp_path / "ranks"
+    proc = gyre_run(run_dir, *FAST, f"trainer.python={sys.executable}",
+                    "trainer.ranks_per_node=2")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    events = check_run_dir(run_dir, num_steps=3)
+    roles = json.loads((run_dir / "roles.json").read_text())
+    assert roles["trainer"]["python"] == sys.executable
+    logs = sorted(p.name for p in (run_dir / "logs").glob("trainer-node*-r*"))
+    assert any("-r1" in name for name in logs), logs
+    layout = [e for e in events if e["kind"] == "layout"][0]
+    assert layout["init_s"] >= 0
+    steps = [e for e in events if e["kind"] == "step"]
+    assert all(e["tokens"] > 0 and e["stats"]["version"] == e["version"] for e in steps), steps
+
+
+def test_a_missing_trainer_interpreter_is_refused_before_any_step(tmp_path):
+    run_dir = tmp_path / "bad"
+    proc = gyre_run(run_dir, *FAST, "trainer.python=/nonexistent/python3")
+    assert proc.returncode != 0
+    assert "trainer.python = '/nonexistent/python3': no such executable" in proc.stderr
+    assert not [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "step"]
