@@ -1,0 +1,306 @@
+"""What can only be checked on a GPU: run once on a machine with one NVIDIA GPU, no network.
+
+    bash tools/gpu_check.sh              # on the GPU machine (see its header)
+    tools/gyre-env python tools/gpu_check.py --allow-cpu   # the same checks on CPU/gloo
+
+Checks, each timed, each a row of the table printed at the end:
+  device      torch, CUDA, the GPU, bf16 support
+  nccl        NCCL process groups rebuilt generation after generation on one TCPStore
+              (gyre_slurm.train.dist.join_world: a new PrefixStore each time), an
+              all-reduce in each; median rebuild seconds. One GPU: worlds of one rank
+              (NCCL refuses two ranks on one device).
+  torch       the torch backend's TrainerWorker on CUDA: micro-batches, optimizer steps,
+              a published policy reloaded by transformers with the same log-probs, a
+              handoff through a checkpoint that restores the state bit for bit
+  bf16        the tiny model in bf16 against fp32 (log-prob difference), a bf16 step
+  megatron    Megatron-core TP=1/PP=1 with its real CUDA path (no CPU shim): weights from
+              the HF checkpoint give transformers' log-probs, steps train, a
+              dist_checkpointing save/load round trip keeps the loss, the export reloads
+              (skipped with a reason when megatron-core is not importable)
+Exit status: 0 when no check failed (a skip is not a failure), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+ROWS: list[tuple[str, str, str]] = []
+VOCAB = 512
+
+
+def row(name: str, status: str, detail: str) -> None:
+    ROWS.append((name, status, detail))
+    print(f"[{status}] {name}: {detail}", flush=True)
+
+
+def check(name: str):
+    def wrap(fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                detail = fn(*args, **kwargs)
+                status = "PASS"
+                if isinstance(detail, tuple):
+                    status, detail = detail
+            except Exception as exc:  # noqa: BLE001 - every failure is a row
+                traceback.print_exc()
+                status, detail = "FAIL", f"{type(exc).__name__}: {exc}"
+            row(name, status, f"{detail} ({time.perf_counter() - t0:.1f} s)")
+        return run
+    return wrap
+
+
+def micro_batch(seed: int, n: int = 8, vocab: int = VOCAB):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        length = int(rng.integers(12, 40))
+        mask = [0] * 4 + [int(x) for x in rng.random(length - 4) < 0.8]
+        out.append({"run_id": f"s{seed}-{i}",
+                    "token_ids": rng.integers(0, vocab, length).tolist(),
+                    "loss_mask": mask,
+                    "logprobs": [float(-math.log(vocab) + rng.normal(scale=0.3)) if m else 0.0
+                                 for m in mask],
+                    "advantage": float(rng.normal())})
+    return out
+
+
+def n_tokens(*mbs) -> int:
+    return sum(sum(t["loss_mask"]) for mb in mbs for t in mb)
+
+
+def hf_logprobs(model_dir: Path, weights: Path, token_ids: list[int], device, dtype=None):
+    import torch
+
+    from gyre_slurm.models import tiny
+
+    model = tiny.new_model(model_dir)
+    tiny.load_weights(model, weights)
+    model = model.to(device)
+    if dtype is not None:
+        model = model.to(dtype)
+    with torch.no_grad():
+        ids = torch.tensor([token_ids], device=device)
+        logits = model(input_ids=ids, use_cache=False).logits.float()
+        lp = torch.log_softmax(logits[0, :-1], dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+    return [0.0] + lp.cpu().tolist()
+
+
+@check("device")
+def check_device(args):
+    import torch
+
+    if not torch.cuda.is_available():
+        return "SKIP" if args.allow_cpu else "FAIL", f"torch {torch.__version__}: no CUDA device"
+    p = torch.cuda.get_device_properties(0)
+    return (f"torch {torch.__version__}, CUDA {torch.version.cuda}, {p.name}, "
+            f"{p.total_memory / 2**30:.0f} GiB, bf16 {torch.cuda.is_bf16_supported()}, "
+            f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+
+
+@check("nccl")
+def check_nccl(args, store_port, gens):
+    from gyre_slurm.train import dist as gdist
+
+    backend = args.backend
+    times = []
+    for _ in range(args.rebuilds):
+        spec = gdist.WorldSpec(next(gens), 1, "127.0.0.1", store_port, backend=backend)
+        t0 = time.perf_counter()
+        gdist.join_world(spec, 0)
+        total = gdist.all_reduce_sum(2.5)
+        times.append(time.perf_counter() - t0)
+        if total != 2.5:
+            raise AssertionError(f"all-reduce gave {total}, expected 2.5")
+    gdist.leave_world()
+    return (f"{backend}: {args.rebuilds} generations, rebuild + all-reduce median "
+            f"{statistics.median(times) * 1e3:.1f} ms (first {times[0] * 1e3:.0f} ms)")
+
+
+@check("torch")
+def check_torch(args, store_port, gens, model_dir: Path, work: Path):
+    import torch
+
+    from gyre_slurm.models import tiny
+    from gyre_slurm.train import dist as gdist
+    from gyre_slurm.train.worker import TrainerWorker
+
+    w = TrainerWorker(model_dir=model_dir, node_index=0, lr=1e-3, seed=0)
+    spec = gdist.WorldSpec(next(gens), 1, "127.0.0.1", store_port, backend=args.backend)
+    w.join(spec, 0, src_rank=0, init_weights=work / "v0")
+    if args.backend == "nccl" and w.device.type != "cuda":
+        raise AssertionError(f"the worker trains on {w.device}, not CUDA")
+    losses, t0 = [], time.perf_counter()
+    for step in range(3):
+        mbs = [micro_batch(10 * step + i) for i in range(2)]
+        n = n_tokens(*mbs)
+        for mb in mbs:
+            losses.append(w.train_microbatch(mb, num_step_tokens=n)["loss_sum"])
+        res = w.optimizer_step(publish_dir=work / f"torch-v{step + 1}")
+    step_s = (time.perf_counter() - t0) / 3
+    if not all(math.isfinite(x) for x in losses) or res["version"] != 3:
+        raise AssertionError(f"losses {losses}, version {res['version']}")
+    ids = micro_batch(99, n=1)[0]["token_ids"]
+    ours = w.model(input_ids=torch.tensor([ids], device=w.device), use_cache=False).logits
+    ours = torch.log_softmax(ours[0, :-1].float(), -1).gather(
+        -1, torch.tensor(ids[1:], device=w.device)[:, None])[:, 0].tolist()
+    ref = hf_logprobs(model_dir, work / "torch-v3", ids, w.device)[1:]
+    diff = max(abs(a - b) for a, b in zip(ours, ref))
+    if diff > 1e-4:
+        raise AssertionError(f"published weights give log-probs {diff:.2e} away")
+    before = w.digests()["state"]
+    w.save_checkpoint(work / "torch-state.pt")
+    w.leave()
+    w.join(gdist.WorldSpec(next(gens), 1, "127.0.0.1", store_port, backend=args.backend), 0,
+           src_rank=0, checkpoint=work / "torch-state.pt")
+    if w.digests()["state"] != before:
+        raise AssertionError("the state after a checkpoint handoff differs")
+    w.leave()
+    del tiny
+    return (f"{w.device}: 3 steps, {step_s:.2f} s/step; published v3 reloads with log-probs "
+            f"within {diff:.1e}; checkpoint handoff restores the state bit for bit")
+
+
+@check("bf16")
+def check_bf16(args, model_dir: Path, work: Path):
+    import torch
+
+    from gyre_slurm.models import tiny
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ids = micro_batch(7, n=1)[0]["token_ids"]
+    fp32 = hf_logprobs(model_dir, work / "v0", ids, device)
+    bf16 = hf_logprobs(model_dir, work / "v0", ids, device, dtype=torch.bfloat16)
+    diff = max(abs(a - b) for a, b in zip(fp32, bf16))
+    model = tiny.new_model(model_dir).to(device).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.tensor([ids], device=device)
+    loss = torch.nn.functional.cross_entropy(
+        model(input_ids=x, use_cache=False).logits[0, :-1].float(), x[0, 1:])
+    loss.backward()
+    opt.step()
+    if not math.isfinite(float(loss)) or diff > 0.5:
+        raise AssertionError(f"bf16 loss {float(loss)}, log-prob difference {diff}")
+    return f"{device}: bf16 vs fp32 log-probs max |diff| {diff:.3f}; a bf16 step, loss {float(loss):.3f}"
+
+
+@check("megatron")
+def check_megatron(args, store_port, gens, model_dir: Path, work: Path):
+    try:
+        from gyre_slurm.train.megatron.worker import MegatronWorker
+    except ImportError as exc:
+        return "SKIP", f"megatron-core not importable ({exc}); carry its wheel (gpu_check.sh)"
+    import torch
+
+    from gyre_slurm.train import dist as gdist
+
+    device = torch.device("cuda" if args.backend == "nccl" else "cpu")
+
+    def world():
+        return gdist.WorldSpec(next(gens), 1, "127.0.0.1", store_port, backend=args.backend)
+
+    w = MegatronWorker(model_dir=model_dir, node_index=0, lr=1e-3, seed=0,
+                       tensor_parallel=1, pipeline_parallel=1)
+    t0 = time.perf_counter()
+    w.join(world(), 0, src_rank=0, init_weights=work / "v0")
+    build_s = time.perf_counter() - t0
+    ids = micro_batch(5, n=1)[0]["token_ids"]
+    ref = hf_logprobs(model_dir, work / "v0", ids, device)
+    diff0 = max(abs(a - b) for a, b in zip(w.token_logprobs(ids), ref))
+    t0 = time.perf_counter()
+    for step in range(3):
+        mbs = [micro_batch(100 + 10 * step + i) for i in range(2)]
+        n = n_tokens(*mbs)
+        for mb in mbs:
+            w.train_microbatch(mb, num_step_tokens=n)
+        res = w.optimizer_step(publish_dir=work / f"meg-v{step + 1}")
+    step_s = (time.perf_counter() - t0) / 3
+    probe = micro_batch(555)
+    loss_before = w.eval_loss(probe, num_step_tokens=n_tokens(probe))
+    t0 = time.perf_counter()
+    w.save_checkpoint(work / "meg-ckpt")
+    save_s = time.perf_counter() - t0
+    w.leave()
+    t0 = time.perf_counter()
+    w.join(world(), 0, src_rank=0, checkpoint=work / "meg-ckpt")
+    load_s = time.perf_counter() - t0
+    loss_after = w.eval_loss(probe, num_step_tokens=n_tokens(probe))
+    exported = hf_logprobs(model_dir, work / "meg-v3", ids, device)
+    diff3 = max(abs(a - b) for a, b in zip(w.token_logprobs(ids), exported))
+    w.leave()
+    if res["version"] != 3 or diff0 > 1e-3 or diff3 > 1e-3 or \
+            abs(loss_after - loss_before) > 1e-5 * max(1.0, abs(loss_before)):
+        raise AssertionError(f"version {res['version']}, HF parity {diff0:.2e} / export "
+                             f"{diff3:.2e}, loss {loss_before} -> {loss_after}")
+    return (f"{device} TP1/PP1: build {build_s:.1f} s, {step_s:.2f} s/step, save {save_s:.1f} s, "
+            f"load {load_s:.1f} s; HF parity {diff0:.1e}, export parity {diff3:.1e}, "
+            f"loss across the checkpoint {loss_before:.6f} -> {loss_after:.6f}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--allow-cpu", action="store_true",
+                   help="without a GPU, run the same checks on CPU with gloo")
+    p.add_argument("--rebuilds", type=int, default=20)
+    p.add_argument("--skip", nargs="*", default=[], choices=["torch", "bf16", "megatron", "nccl"])
+    p.add_argument("--json", type=Path, help="also write the table here")
+    args = p.parse_args(argv)
+    import torch
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and not args.allow_cpu:
+        check_device(args)
+        print("no CUDA device: run on a GPU machine, or with --allow-cpu to try the checks "
+              "on CPU", file=sys.stderr)
+        return 1
+    args.backend = "nccl" if on_gpu else "gloo"
+    from gyre_slurm.models import tiny
+    from gyre_slurm.train import dist as gdist
+
+    check_device(args)
+    store, port = gdist.host_store("127.0.0.1")
+    gens = itertools.count(1)
+    with tempfile.TemporaryDirectory(prefix="gyre-gpu-check-") as tmp:
+        work = Path(tmp)
+        model_dir = tiny.make_model_dir(work / "model", vocab_size=VOCAB, hidden_size=128,
+                                        num_layers=2, num_heads=4, num_kv_heads=2,
+                                        max_positions=512)
+        tiny.save_weights(tiny.new_model(model_dir, seed=0), work / "v0")
+        if "nccl" not in args.skip:
+            check_nccl(args, port, gens)
+        if "torch" not in args.skip:
+            check_torch(args, port, gens, model_dir, work)
+        if "bf16" not in args.skip:
+            check_bf16(args, model_dir, work)
+        if "megatron" not in args.skip:
+            check_megatron(args, port, gens, model_dir, work)
+    del store
+    width = max(len(r[0]) for r in ROWS)
+    print("\n| check | result | figures |\n|---|---|---|")
+    for name, status, detail in ROWS:
+        print(f"| {name:<{width}} | {status} | {detail} |")
+    if args.json:
+        args.json.write_text(json.dumps([dict(zip(("check", "result", "figures"), r))
+                                         for r in ROWS], indent=1))
+    return 1 if any(r[1] == "FAIL" for r in ROWS) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
