@@ -262,6 +262,7 @@ class RuntimeConfig:
     clip_eps: float = 0.2
     model_hidden_size: int = 64
     model_layers: int = 2
+    model_heads: int = 4  # attention heads (vLLM on CPU needs a head size of 32, 64, ...)
     model_family: Literal["llama", "qwen2"] = "llama"  # the tiny model made for the run
     heartbeat_s: float = 0.5
     agent_lost_s: float = 5.0  # a node agent silent this long is lost
@@ -271,6 +272,9 @@ class RuntimeConfig:
     run_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
+        if self.model_hidden_size % self.model_heads:
+            raise ValueError(f"model_heads ({self.model_heads}) must divide model_hidden_size "
+                             f"({self.model_hidden_size})")
         for name in ("max_turns", "context_budget_tokens", "max_tokens", "runs_per_cell",
                      "max_per_run", "lr", "heartbeat_s", "agent_lost_s", "status_interval_s",
                      "policy_interval_s", "checkpoint_every_steps", "run_timeout_s"):
@@ -363,6 +367,14 @@ class GyreConfig:
             raise ConfigError(
                 f"training.min_replica_nodes = {self.training.min_replica_nodes} must be a "
                 f"multiple of the {self.replica_nodes} nodes a replica spans")
+        head = self.runtime.model_hidden_size // self.runtime.model_heads
+        if self.rollout.engine == "vllm" and not gpus and head not in (
+                32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512):
+            raise ConfigError(
+                f"vLLM's CPU attention takes head sizes 32, 64, 80, ... only; the run's model "
+                f"has {head} (runtime.model_hidden_size {self.runtime.model_hidden_size} / "
+                f"model_heads {self.runtime.model_heads}): set runtime.model_heads to "
+                f"{max(1, self.runtime.model_hidden_size // 32)}")
         tp = self.rollout.tensor_parallel
         if tp is not None and gpus and (tp > gpus or gpus % tp):
             raise ConfigError(f"rollout.tensor_parallel = {tp} must divide "

@@ -39,17 +39,13 @@ __all__ = ["EngineClient", "EngineError", "EngineProcess", "engine_command", "ma
            "start_engine", "wait_healthy", "write_secret"]
 
 
-def make_client(kind: str, base_url: str, secret: str, *, version: int = 0,
-                release_mode: str = "pause"):
-    """The client of an engine of `kind` ("embedded" or "vllm"): one interface.
-
-    vLLM does not know policy versions: its client is told the version the server was
-    started with and tracks the ones it loads, so the loads must go through the same
-    client that generates (the gateway's)."""
+def make_client(kind: str, base_url: str, secret: str, *, release_mode: str = "pause"):
+    """The client of an engine of `kind` ("embedded" or "vllm"): one interface. Both
+    engines know their own policy version (vLLM through its weight-version label)."""
     if kind == "vllm":
         from gyre_slurm.engines.vllm import VllmClient
 
-        return VllmClient(base_url, secret, version=version, release_mode=release_mode)
+        return VllmClient(base_url, secret, sleep_mode=release_mode == "sleep")
     if kind != "embedded":
         raise ValueError(f"unknown engine kind {kind!r}")
     return EngineClient(base_url, secret)

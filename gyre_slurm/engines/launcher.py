@@ -45,7 +45,6 @@ class EngineProcess:
     log_path: Path
     ready_file: Path
     host: str
-    version: int = 0  # the policy version it started with
     port: int | None = None
     base_url: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
@@ -131,8 +130,7 @@ def start_engine(*, model_dir: str | Path, host: str, weights_dir: str | Path,
     with open(log_path, "ab") as log_file:
         popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file,
                                  stderr=subprocess.STDOUT, env=env)
-    proc = EngineProcess(popen=popen, log_path=log_path, ready_file=ready_file, host=host,
-                         version=version)
+    proc = EngineProcess(popen=popen, log_path=log_path, ready_file=ready_file, host=host)
     log.info("started engine pid %d on %s (log %s)", popen.pid, host, log_path)
     if ready_timeout_s is not None:
         try:

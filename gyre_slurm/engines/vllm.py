@@ -314,11 +314,15 @@ def start_vllm(*, python: str, model_dir: str | Path, weights_dir: str | Path,
                extra_args: Sequence[str] = (), model_name: str = "gyre-policy",
                device: str = "cpu", kv_cache_gb: float = 1.0, num_threads: int = 1,
                ready_timeout_s: float = 300.0, stop_grace_s: float = 10.0,
-               serve_dir: str | Path | None = None, bind_retries: int = 3) -> VllmProcess:
+               serve_dir: str | Path | None = None, bind_retries: int = 3,
+               prefix: Sequence[str] = (), extra_env: dict[str, str] | None = None
+               ) -> VllmProcess:
     """Start vLLM on `host` serving `weights_dir` as policy `version`; block until
     /health answers 200 (EngineError with the log tail if it exits or times out; the
     process group is then stopped). `device`: "cpu" (float32, eager, no sleep mode) or
-    "gpu" (sleep mode on). Output goes to `log_path` (appended)."""
+    "gpu" (sleep mode on). Output goes to `log_path` (appended). `prefix` goes before
+    the command (a container step, `gyre_slurm.runtime.roles`); `extra_env` adds to the
+    environment (e.g. the server's CUDA_VISIBLE_DEVICES)."""
     if device not in ("cpu", "gpu"):
         raise UserError(f"device {device!r}: choose cpu or gpu")
     check_loopback(host)
@@ -330,6 +334,7 @@ def start_vllm(*, python: str, model_dir: str | Path, weights_dir: str | Path,
                                serve_dir=serve_dir or log_path.with_name(log_path.name + ".serve"))
     env = vllm_env(secret=secret, device=device, kv_cache_gb=kv_cache_gb,
                    num_threads=num_threads)
+    env.update(extra_env or {})
     for attempt in range(1, bind_retries + 1):
         chosen = port or free_port(host)
         cmd = vllm_command(python=python, serve_dir=serve_dir, host=host, port=chosen,
@@ -341,7 +346,8 @@ def start_vllm(*, python: str, model_dir: str | Path, weights_dir: str | Path,
             log_file.flush()
             start = log_file.tell()
             popen = subprocess.Popen(
-                [python, "-c", _SUPERVISOR, str(os.getpid()), str(stop_grace_s), *cmd],
+                [*prefix, python, "-c", _SUPERVISOR, str(os.getpid()), str(stop_grace_s),
+                 *cmd],
                 stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                 env=env, start_new_session=True)
         proc = VllmProcess(popen=popen, log_path=log_path, host=host, port=chosen,

@@ -141,17 +141,19 @@ class NodeAgent:
         if self.cfg.rollout.engine == "vllm":
             from gyre_slurm.engines.vllm import start_vllm
 
+            gpus = self._engine_gpus(k)
             return start_vllm(
                 python=role["python"], prefix=command_prefix(role, run_dir=self.rd.path),
                 model_dir=self.rd.model_dir, weights_dir=weights_dir(self.rd.path, version),
                 version=version, host=self.addr, secret_file=self.rd.secret_file,
-                log_path=log_path, serve_dir=self.rd.path / "engines" / f"node{self.node_index}-s{k}",
+                log_path=log_path,
+                serve_dir=self.rd.path / "engines" / f"node{self.node_index}-s{k}",
                 tensor_parallel=self.cfg.rollout.tensor_parallel or max(
                     1, self.cfg.cluster.gpus_per_node),
                 max_model_len=self.cfg.rollout.max_model_len,
                 extra_args=list(self.cfg.rollout.engine_args),
-                sleep_mode=self._release_mode() == "sleep",
-                cuda_visible_devices=self._engine_gpus(k))
+                device="gpu" if self.cfg.cluster.gpus_per_node else "cpu",
+                extra_env={"CUDA_VISIBLE_DEVICES": gpus} if gpus else None)
         return start_engine(model_dir=self.rd.model_dir, host=self.addr,
                             weights_dir=weights_dir(self.rd.path, version), version=version,
                             secret_file=self.rd.secret_file, log_path=log_path,
@@ -159,14 +161,10 @@ class NodeAgent:
                             prefix=command_prefix(role, run_dir=self.rd.path))
 
     def _client(self, proc):
-        if self.cfg.rollout.engine == "vllm":
-            from gyre_slurm.engines.vllm import VllmClient
+        from gyre_slurm.engines import make_client
 
-            return VllmClient(proc.base_url, self.secret, version=proc.version,
-                              release_mode=self._release_mode())
-        from gyre_slurm.engines import EngineClient
-
-        return EngineClient(proc.base_url, self.secret)
+        return make_client(self.cfg.rollout.engine, proc.base_url, self.secret,
+                           release_mode=self._release_mode())
 
     async def cmd_start_engine(self, *, version: int) -> dict:
         t0 = time.monotonic()

@@ -87,7 +87,8 @@ class Coordinator:
         self.rd.create(self.cfg)
         rt = self.cfg.runtime
         tiny.make_model_dir(self.rd.model_dir, hidden_size=rt.model_hidden_size,
-                            num_layers=rt.model_layers, family=rt.model_family,
+                            num_layers=rt.model_layers, num_heads=rt.model_heads,
+                            family=rt.model_family,
                             max_positions=max(4096, self.cfg.rollout.max_model_len))
         tiny.save_weights(tiny.new_model(self.rd.model_dir, seed=self.cfg.sim.seed),
                           tiny.weights_dir(self.rd.path, 0))
@@ -184,8 +185,18 @@ class Coordinator:
             loops = [self.policy_loop(), self.training_loop(), self.status_loop(),
                      self.watch_agents()]
             tasks = [asyncio.create_task(c) for c in loops]
+            training, done = tasks[1], set()
             try:
-                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                # The job ends when training has finished its last step (and checkpoint),
+                # or when any loop fails; a loop that simply ends (the policy's, once
+                # every run has started) leaves the others running.
+                pending = set(tasks)
+                while not training.done():
+                    finished, pending = await asyncio.wait(
+                        pending, return_when=asyncio.FIRST_COMPLETED)
+                    done |= finished
+                    if any(t.exception() is not None for t in finished):
+                        break
             finally:  # also on a stop signal: no loop may act while the job shuts down
                 for task in tasks:
                     task.cancel()

@@ -70,8 +70,7 @@ async def bring_up_engine(coord, cell: int) -> float:
     for node, res in zip(nodes, results):
         for k, url in enumerate(res["base_urls"]):
             clients[f"cell{cell}-n{node}-s{k}"] = make_client(
-                res.get("engine_kind", "embedded"), url, coord.rd.secret(), version=version,
-                release_mode=mode)
+                res.get("engine_kind", "embedded"), url, coord.rd.secret(), release_mode=mode)
     while coord.book.version != version:  # a step finished meanwhile: catch up
         version = coord.book.version
         path = str(tiny.weights_dir(coord.rd.path, version))
