@@ -1,0 +1,368 @@
+"""The Megatron-core backend for real: 4 processes of the megatron environment (Python
+3.12, megatron-core on CPU through `cpu_shim`) in gloo worlds on 127.0.0.1, driven from
+here through `gyre_slurm.train.megatron.driver`; Hugging Face references from
+transformers in this (core) environment."""
+
+import dataclasses
+import itertools
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from gyre_slurm.models.tiny import load_weights, make_model_dir, new_model, save_weights
+from gyre_slurm.train.dist import WorldSpec, host_store
+from gyre_slurm.train.loss import policy_loss, rows_from_trajectories, token_logprobs
+from gyre_slurm.train.megatron import convert
+from gyre_slurm.train.megatron.convert import ModelShape
+from megatron_procs import ROOT, DriverError, MegatronProcesses
+
+HOST = "127.0.0.1"
+VOCAB = 300  # not a multiple of 128: Megatron pads the vocabulary, the export cuts it
+FAMILIES = ("llama", "qwen2")
+CALL_TIMEOUT_S = 120
+IDS = [7, 290, 12, 45, 9, 299, 88, 23, 150, 3, 77, 201, 64, 5, 222, 19, 98, 2]
+
+
+# ---- fixtures ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """{family: (model_dir, weights_dir, hf model)}: 2 layers, 4 heads, 2 KV heads (GQA)."""
+    root = tmp_path_factory.mktemp("megatron")
+    out = {}
+    for seed, family in enumerate(FAMILIES):
+        model_dir = make_model_dir(root / family, family=family, vocab_size=VOCAB,
+                                   hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                                   max_positions=128)
+        model = new_model(model_dir, seed=seed + 1)
+        with torch.no_grad():  # non-trivial norms and biases, so that a mix-up shows
+            for name, p in model.named_parameters():
+                if "norm" in name or name.endswith(".bias"):
+                    p.add_(torch.randn_like(p) * 0.1)
+        out[family] = (model_dir, save_weights(model, root / f"{family}-w0"), model)
+    return out
+
+
+@pytest.fixture(scope="session")
+def megatron_python():
+    proc = subprocess.run([str(ROOT / "tools" / "role-env"), "megatron"], capture_output=True,
+                          text=True, check=True)
+    return proc.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def store():
+    st, port = host_store(HOST)
+    yield port, itertools.count(1)
+    del st
+
+
+class Cluster:
+    """The test's coordinator over 4 driver processes of one model family."""
+
+    def __init__(self, procs, store, family, model_dir, weights):
+        self.p, (self.port, self.gens) = procs, store
+        self.family, self.model_dir, self.weights = family, model_dir, weights
+        self.timings: dict[str, list[float]] = {}
+
+    def on(self, members, method, **kw):
+        t0 = time.perf_counter()
+        out = self.p.call({m: (method, kw) for m in members}, timeout_s=CALL_TIMEOUT_S)
+        self.timings.setdefault(method, []).append(time.perf_counter() - t0)
+        return out
+
+    def world(self, members, tp, pp, **kw):
+        """Every member joins a new generation with layout TP x PP; returns join timings."""
+        spec = dataclasses.asdict(WorldSpec(next(self.gens), len(members), HOST, self.port))
+        t0 = time.perf_counter()
+        out = self.p.call({m: ("join", dict(spec=spec, rank=r, src_rank=0, tensor_parallel=tp,
+                                              pipeline_parallel=pp, **kw))
+                           for r, m in enumerate(members)}, timeout_s=CALL_TIMEOUT_S)
+        self.timings.setdefault("rebuild", []).append(time.perf_counter() - t0)
+        return out
+
+    def one(self, members, method, **kw):
+        """A call whose result must be the same on every member."""
+        out = self.on(members, method, **kw)
+        values = list(out.values())
+        assert all(v == values[0] for v in values), out
+        return values[0]
+
+
+@pytest.fixture(scope="module")
+def clusters(models, megatron_python, store, tmp_path_factory):
+    """cluster(family): 4 processes for that family (one family alive at a time)."""
+    alive: dict[str, Cluster] = {}
+
+    def get(family):
+        if family not in alive:
+            for other in list(alive):
+                alive.pop(other).p.close()
+            model_dir, weights, _ = models[family]
+            procs = MegatronProcesses(4, python=megatron_python, model_dir=model_dir,
+                                      log_dir=tmp_path_factory.mktemp(f"logs-{family}"),
+                                      lr=1e-2, seed=0)
+            alive[family] = Cluster(procs, store, family, model_dir, weights)
+        return alive[family]
+
+    yield get
+    for c in alive.values():
+        c.p.close()
+
+
+def micro_batch(seed, n=6):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        length = int(rng.integers(6, 14))
+        mask = [0] * 3 + [int(x) for x in rng.random(length - 3) < 0.8]
+        out.append({"run_id": f"s{seed}-{i}", "token_ids": rng.integers(0, VOCAB, length).tolist(),
+                    "loss_mask": mask,
+                    "logprobs": [float(-np.log(VOCAB) + rng.normal(scale=0.3)) if m else 0.0
+                                 for m in mask],
+                    "advantage": float(rng.normal())})
+    return out
+
+
+def n_tokens(*mbs):
+    return sum(sum(t["loss_mask"]) for mb in mbs for t in mb)
+
+
+def hf_logprobs(model, ids):
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits.float()
+    return token_logprobs(logits, torch.tensor([ids]))[0].double().numpy()
+
+
+def hf_loss(model, mb, num_step_tokens):
+    rows = rows_from_trajectories(mb, pad_id=model.config.pad_token_id)
+    logits = model(input_ids=rows["token_ids"]).logits
+    loss, _ = policy_loss(logits, rows["token_ids"], rows["loss_mask"], rows["logprobs"],
+                          rows["advantages"], num_step_tokens=num_step_tokens)
+    return loss
+
+
+def load_hf(model_dir, weights_dir):
+    model = new_model(model_dir, seed=0)
+    load_weights(model, weights_dir)  # strict
+    return model.eval()
+
+
+# ---- 1. conversion ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_convert_round_trip_exact(models, family, tp, pp):
+    model_dir, _, model = models[family]
+    shape = ModelShape.from_model_dir(model_dir)
+    hf = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    shards = {(t, p): convert.hf_to_megatron_shard(hf, shape, tp_rank=t, tp_size=tp,
+                                                   pp_rank=p, pp_size=pp)
+              for t in range(tp) for p in range(pp)}
+    per_group = (shape.num_heads // shape.num_kv_heads + 2) * shape.head_dim
+    for (t, p), shard in shards.items():
+        assert shard["decoder.layers.0.self_attention.linear_qkv.weight"].shape == (
+            shape.num_kv_heads // tp * per_group, shape.hidden_size)
+        assert shard["decoder.layers.0.mlp.linear_fc1.weight"].shape == (
+            2 * shape.ffn_hidden_size // tp, shape.hidden_size)
+        assert ("embedding.word_embeddings.weight" in shard) == (p == 0)
+        assert ("output_layer.weight" in shard) == (p == pp - 1)
+        assert f"decoder.layers.{shape.num_layers // pp}.input_layernorm.weight" not in shard
+        assert ("decoder.layers.0.self_attention.linear_qkv.bias" in shard) == (
+            family == "qwen2")
+    back = convert.megatron_shards_to_hf(shards, shape, tp_size=tp, pp_size=pp)
+    assert set(back) == set(hf)
+    for name, value in hf.items():
+        assert torch.equal(back[name], value), name
+
+
+def test_convert_packs_qkv_per_query_group_and_gate_up_per_shard(models):
+    """Readable rows: q head h holds 100 + h, k head g 200 + g, v head g 300 + g; gate rows
+    1000 + i, up rows 2000 + i. Megatron's order: per KV group [its q heads; k; v]."""
+    model_dir, _, model = models["qwen2"]
+    shape = ModelShape.from_model_dir(model_dir)
+    hf = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    d, heads, groups, ffn = shape.head_dim, shape.num_heads, shape.num_kv_heads, \
+        shape.ffn_hidden_size
+    for proj, base, n in (("q", 100, heads), ("k", 200, groups), ("v", 300, groups)):
+        rows = torch.arange(n).repeat_interleave(d).float() + base
+        hf[f"model.layers.0.self_attn.{proj}_proj.bias"] = rows
+    hf["model.layers.0.mlp.gate_proj.weight"][:, 0] = torch.arange(ffn).float() + 1000
+    hf["model.layers.0.mlp.up_proj.weight"][:, 0] = torch.arange(ffn).float() + 2000
+    for tp, want in ((1, [100, 101, 200, 300, 102, 103, 201, 301]),
+                     (2, [100, 101, 200, 300])):
+        shard = convert.hf_to_megatron_shard(hf, shape, tp_rank=0, tp_size=tp, pp_rank=0,
+                                             pp_size=1)
+        bias = shard["decoder.layers.0.self_attention.linear_qkv.bias"]
+        assert bias[::d].tolist() == want
+        fc1 = shard["decoder.layers.0.mlp.linear_fc1.weight"][:, 0].tolist()
+        half = ffn // tp
+        assert fc1 == [1000 + i for i in range(half)] + [2000 + i for i in range(half)]
+
+
+def test_convert_refuses_layouts_that_do_not_divide(models):
+    shape = ModelShape.from_model_dir(models["llama"][0])
+    with pytest.raises(ValueError, match="num_key_value_heads 2 % TP 4"):
+        shape.check_layout(4, 1)
+    with pytest.raises(ValueError, match="num_hidden_layers 2 % PP 4"):
+        shape.check_layout(1, 4)
+
+
+# ---- 2. parity with Hugging Face --------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logprobs_match_transformers(clusters, models, family):
+    c = clusters(family)
+    model = models[family][2]
+    assert ModelShape.from_model_dir(c.model_dir).padded_vocab_size > model.config.vocab_size
+    want = hf_logprobs(model, IDS)
+    mb = micro_batch(21, n=7)
+    with torch.no_grad():
+        want_loss = float(hf_loss(model, mb, n_tokens(mb)))
+    for tp, pp in ((2, 2), (1, 1)):  # TP1/PP1 on 4 ranks: 4 data-parallel replicas
+        c.world([0, 1, 2, 3], tp, pp, init_weights=str(c.weights))
+        got = np.array(c.one(range(4), "token_logprobs", token_ids=IDS))
+        diff = float(np.abs(got - want).max())
+        got_loss = c.one(range(4), "eval_loss", mb=mb, num_step_tokens=n_tokens(mb))
+        print(f"{family} TP{tp}/PP{pp}: max |logprob - transformers| = {diff:.2e}, "
+              f"loss {got_loss:.6f} vs {want_loss:.6f}")
+        assert got[0] == 0.0 and diff < 1e-4
+        assert _close(got_loss, want_loss), (got_loss, want_loss)
+    with pytest.raises(DriverError, match="multiple of TP \\* PP"):
+        c.world([0, 1], 2, 2, init_weights=str(c.weights))
+
+
+# ---- 3. the handoff cycle ---------------------------------------------------------------
+
+def _close(a, b, rel=1e-5):
+    return abs(a - b) <= rel * max(abs(a), abs(b))
+
+
+def _params_diff(a_dir, b_dir):
+    from safetensors.torch import load_file
+
+    a = load_file(str(a_dir / "model.safetensors"))
+    b = load_file(str(b_dir / "model.safetensors"))
+    assert set(a) == set(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.slow
+def test_handoff_cycle_reshards_state(clusters, tmp_path):
+    """TP2/PP2 (4) -> TP1/PP2 (2) -> TP2/PP2 (4) -> TP1/PP2 (4: DP 2) -> TP2/PP2 (4),
+    every rebuild a new generation loading the last world's checkpoint resharded. The
+    loss on a fixed batch is unchanged by each rebuild; a step split by a mid-step save
+    equals the un-interrupted step."""
+    c = clusters("qwen2")
+    fixed = micro_batch(0)
+    n_fixed = n_tokens(fixed)
+    loss = lambda members: c.one(members, "eval_loss", mb=fixed, num_step_tokens=n_fixed)
+    report = {}
+    all4 = [0, 1, 2, 3]
+
+    def handoff(old, new, tp, pp, name):
+        """Save in the old world, rebuild, check the loss is unchanged."""
+        before = loss(old)
+        t0 = time.perf_counter()
+        c.on(old, "save_checkpoint", path=str(tmp_path / name))
+        save_s = time.perf_counter() - t0
+        leaving = [m for m in old if m not in new]
+        if leaving:
+            c.on(leaving, "leave")
+        joins = c.world(new, tp, pp, checkpoint=str(tmp_path / name))
+        after = loss(new)
+        report[name] = {"loss_before": before, "loss_after": after,
+                        "rel_diff": abs(after - before) / abs(before), "save_s": save_s,
+                        "load_s": max(j["load_s"] for j in joins.values())}
+        assert _close(before, after), report[name]
+
+    def split_step(old, new, tp, pp, name, mb_a, mb_b):
+        """mb_a, save mid-step, then (reference) mb_b + step in the old world; rebuild;
+        mb_b + step in the new world: same parameters."""
+        n_ab = n_tokens(mb_a, mb_b)
+        c.on(old, "train_microbatch", mb=mb_a, num_step_tokens=n_ab)
+        before = loss(old)
+        c.on(old, "save_checkpoint", path=str(tmp_path / name))
+        c.on(old, "train_microbatch", mb=mb_b, num_step_tokens=n_ab)
+        ref = c.on(old, "optimizer_step", publish_dir=str(tmp_path / f"{name}-ref"))[old[0]]
+        leaving = [m for m in old if m not in new]
+        if leaving:
+            c.on(leaving, "leave")
+        c.world(new, tp, pp, checkpoint=str(tmp_path / name))
+        after = loss(new)
+        assert _close(before, after), (before, after)
+        stats = c.on(new, "train_microbatch", mb=mb_b, num_step_tokens=n_ab)
+        assert sum(s["trajectories"] for s in stats.values()) == len(mb_b)
+        assert sum(s["tokens"] for s in stats.values()) == n_tokens(mb_b)
+        got = c.on(new, "optimizer_step", publish_dir=str(tmp_path / f"{name}-got"))[new[0]]
+        diff = _params_diff(tmp_path / f"{name}-ref", tmp_path / f"{name}-got")
+        report[name] = {"loss_before": before, "loss_after": after,
+                        "rel_diff": abs(after - before) / abs(before),
+                        "grad_norm_ref": ref["grad_norm"], "grad_norm_got": got["grad_norm"],
+                        "max_param_diff": diff}
+        assert got["version"] == ref["version"]
+        assert _close(ref["grad_norm"], got["grad_norm"]), report[name]
+        # Adam divides by sqrt(v): elements with near-zero gradients turn float noise of the
+        # layout change into ~1e-5 (lr 1e-2); a lost micro-batch would move them ~lr.
+        assert diff < 1e-4, report[name]
+
+    c.world(all4, 2, 2, init_weights=str(c.weights))
+    l0 = loss(all4)
+    mb1 = micro_batch(1)
+    c.on(all4, "train_microbatch", mb=mb1, num_step_tokens=n_tokens(mb1))
+    step = c.on(all4, "optimizer_step")[0]
+    assert step["version"] == 1 and loss(all4) != l0
+    handoff(all4, [0, 1], 1, 2, "ck1")                     # 4 -> 2 (2 processes leave)
+    mb2 = micro_batch(2)
+    c.on([0, 1], "train_microbatch", mb=mb2, num_step_tokens=n_tokens(mb2))
+    assert c.on([0, 1], "optimizer_step")[0]["version"] == 2
+    split_step([0, 1], all4, 2, 2, "ck2", micro_batch(3), micro_batch(4))   # 2 -> 4
+    split_step(all4, all4, 1, 2, "ck3", micro_batch(5), micro_batch(6))     # DP 1 -> 2
+    split_step(all4, all4, 2, 2, "ck4", micro_batch(7), micro_batch(8))     # DP 2 -> 1
+    versions = {d["version"] for d in c.on(all4, "digests").values()}
+    assert versions == {5}
+    assert not list(tmp_path.glob(".*tmp*"))  # every write was renamed into place
+    for name, r in report.items():
+        print(name, {k: (f"{v:.3e}" if isinstance(v, float) else v) for k, v in r.items()})
+    print("timings (s, per call):", {k: [round(x, 3) for x in v]
+                                     for k, v in c.timings.items()})
+
+
+# ---- 4. export to Hugging Face ----------------------------------------------------------
+
+@pytest.mark.slow
+def test_published_weights_load_into_transformers(clusters, models, tmp_path):
+    """One step at TP2/PP2, published in Hugging Face names: transformers loads it
+    (strict) and agrees with Megatron; the step equals the same step taken on the
+    transformers model (global grad norm, clipping, AdamW)."""
+    c = clusters("qwen2")
+    c.world([0, 1, 2, 3], 2, 2, init_weights=str(c.weights))
+    mb = micro_batch(11)
+    c.on(range(4), "train_microbatch", mb=mb, num_step_tokens=n_tokens(mb))
+    out = tmp_path / "v000001"
+    steps = c.on(range(4), "optimizer_step", publish_dir=str(out))
+    assert {s["version"] for s in steps.values()} == {1}
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "model.safetensors"]
+    got = np.array(c.one(range(4), "token_logprobs", token_ids=IDS))
+    model = load_hf(c.model_dir, out)
+    diff = float(np.abs(hf_logprobs(model, IDS) - got).max())
+    print(f"published v1: max |transformers - megatron| = {diff:.2e}")
+    assert diff < 1e-4
+    before = hf_logprobs(load_hf(c.model_dir, c.weights), IDS)
+    assert float(np.abs(before - got).max()) > 1e-4  # the step did change the model
+
+    ref = load_hf(c.model_dir, c.weights).train()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    hf_loss(ref, mb, n_tokens(mb)).backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+    opt.step()
+    param_diff = max(float((p - model.state_dict()[k]).abs().max())
+                     for k, p in ref.state_dict().items())
+    print(f"step vs transformers: grad norm {steps[0]['grad_norm']:.6f} vs {norm:.6f}, "
+          f"max param diff {param_diff:.2e}")
+    assert _close(steps[0]["grad_norm"], norm)
+    assert param_diff < 1e-4
