@@ -1,5 +1,6 @@
 """Test helper: N processes of the megatron environment, each a `MegatronWorker` behind
-`python -m gyre_slurm.train.megatron.driver`, driven from the core environment."""
+`python -m gyre_slurm.train.rankproc --backend megatron` (the node agent's rank
+process), driven from the core environment."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ class MegatronProcesses:
         self._answers: list[queue.Queue] = []
         try:
             for i in range(n):
-                cmd = [python, "-m", "gyre_slurm.train.megatron.driver",
+                cmd = [python, "-m", "gyre_slurm.train.rankproc", "--backend", "megatron",
                        "--model-dir", str(model_dir), "--node-index", str(i)]
                 for key, value in worker_kwargs.items():
                     cmd += [f"--{key.replace('_', '-')}", str(value)]
@@ -44,7 +45,7 @@ class MegatronProcesses:
                 threading.Thread(target=self._pump, args=(proc, q), daemon=True).start()
                 self._answers.append(q)
             deadline = time.monotonic() + start_timeout_s
-            self.pids = [self._recv(i, deadline)["ready"] for i in range(n)]
+            self.pids = [self._recv(i, deadline)["pid"] for i in range(n)]
         except BaseException:
             self.close()
             raise
@@ -77,14 +78,15 @@ class MegatronProcesses:
             raise DriverError(f"megatron process {i} exited ({self.procs[i].poll()}); "
                               f"log tail:\n{self._tail(i)}")
         if "error" in msg:
-            raise DriverError(f"megatron process {i} failed:\n{msg['error']}")
-        return msg.get("ok", msg)
+            raise DriverError(f"megatron process {i} failed: {msg['error']}\n"
+                              f"{msg.get('traceback', '')}")
+        return msg.get("result")
 
     def call(self, calls: dict[int, tuple[str, dict[str, Any]]], *,
              timeout_s: float = 120.0) -> dict[int, Any]:
         """Run `{process: (method, kwargs)}` concurrently; results by process."""
         for i, (method, kw) in calls.items():
-            self.procs[i].stdin.write(json.dumps({"method": method, "kwargs": kw},
+            self.procs[i].stdin.write(json.dumps({"id": 1, "method": method, "args": kw},
                                                  default=str) + "\n")
             self.procs[i].stdin.flush()
         deadline = time.monotonic() + timeout_s

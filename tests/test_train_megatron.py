@@ -1,6 +1,6 @@
 """The Megatron-core backend for real: 4 processes of the megatron environment (Python
 3.12, megatron-core on CPU through `cpu_shim`) in gloo worlds on 127.0.0.1, driven from
-here through `gyre_slurm.train.megatron.driver`; Hugging Face references from
+here through `gyre_slurm.train.rankproc --backend megatron`; Hugging Face references from
 transformers in this (core) environment."""
 
 import dataclasses

@@ -12,11 +12,13 @@ rebuilds process groups without starting Python again.
 Protocol: one JSON object per line. Request `{"id": N, "method": NAME, "args": {...}}`;
 answer `{"id": N, "result": {...}}` or `{"id": N, "error": "Type: message",
 "traceback": "..."}`. Methods run one at a time in arrival order (collectives must be
-issued in the same order on every rank). Methods: join (args: spec {generation,
-world_size, store_host, store_port, backend}, rank, src_rank, init_weights,
-checkpoint), flush, leave, train_mb (args: path of a micro-batch JSON file,
-num_step_tokens), step (publish_dir, num_step_tokens), save (path), digests,
-token_logprobs (token_ids), ping. stdout carries only answers (anything else printed
+issued in the same order on every rank). The node agent's methods: join (args: spec
+{generation, world_size, store_host, store_port, backend}, rank, src_rank,
+init_weights, checkpoint), flush, leave, train_mb (args: path of a micro-batch JSON
+file, num_step_tokens), step (publish_dir, num_step_tokens), save (path), digests,
+ping; any other name calls the worker's method of that name with `args` as keyword
+arguments (a `spec` dict becomes a WorldSpec, `path`, `init_weights`, `checkpoint`,
+`publish_dir` become paths): the tests drive `eval_loss`, `token_logprobs`, ... so. stdout carries only answers (anything else printed
 goes to stderr, the rank's log). The process exits at EOF on stdin, and when its
 parent (the node agent) dies, even while blocked in a collective.
 """
@@ -49,19 +51,41 @@ def make_worker(args):
                          seed=args.seed, grad_clip=args.grad_clip)
 
 
+PATH_ARGS = ("path", "init_weights", "checkpoint", "publish_dir")
+
+
 def _path(value):
     return None if value is None else Path(value)
+
+
+def _decode(args: dict) -> dict:
+    from gyre_slurm.train.dist import WorldSpec
+
+    out = dict(args)
+    if isinstance(out.get("spec"), dict):
+        out["spec"] = WorldSpec(**out["spec"])
+    for key in PATH_ARGS:
+        if out.get(key) is not None:
+            out[key] = Path(out[key])
+    return out
+
+
+def _encode(value):
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    return value
 
 
 def dispatch(worker, method: str, a: dict):
     if method == "ping":
         return {"pid": os.getpid()}
     if method == "join":
-        from gyre_slurm.train.dist import WorldSpec
-
-        times = worker.join(WorldSpec(**a["spec"]), int(a["rank"]), src_rank=int(a["src_rank"]),
-                            init_weights=_path(a.get("init_weights")),
-                            checkpoint=_path(a.get("checkpoint")))
+        kw = _decode(a)
+        times = worker.join(kw.pop("spec"), int(kw.pop("rank")), **kw)
         return {**times, "version": worker.version}
     if method == "flush":
         worker.flush(keep_rank=int(a.get("keep_rank", 0)))
@@ -79,9 +103,9 @@ def dispatch(worker, method: str, a: dict):
         return {}
     if method == "digests":
         return worker.digests()
-    if method == "token_logprobs":
-        return {"logprobs": worker.token_logprobs([int(t) for t in a["token_ids"]])}
-    raise ValueError(f"unknown method {method!r}")
+    if method.startswith("_") or not callable(getattr(worker, method, None)):
+        raise ValueError(f"unknown method {method!r}")
+    return _encode(getattr(worker, method)(**_decode(a)))
 
 
 def _watch_parent(parent: int) -> None:
@@ -101,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--tp", "--tensor-parallel", dest="tp", type=int, default=1)
+    p.add_argument("--pp", "--pipeline-parallel", dest="pp", type=int, default=1)
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=(
         f"%(asctime)s node{args.node_index}.{args.local_rank} %(levelname)s %(name)s: "
@@ -112,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    if args.num_threads:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
     worker = make_worker(args)
     answers.write(json.dumps({"id": 0, "result": {"ready": True, "pid": os.getpid()}}) + "\n")
     for line in sys.stdin:

@@ -4,8 +4,7 @@
   state crosses a rebuild through a resharding `dist_checkpointing` checkpoint.
 - `convert`: Hugging Face <-> Megatron names and shards (llama, qwen2); pure torch.
 - `cpu_shim`: lets Megatron's hard-coded CUDA calls run on CPU (no GPU present only).
-- `driver`: a line-based JSON command loop around one worker, for a parent process
-  in another Python (tests, local runs).
+The node agent runs a worker as `python -m gyre_slurm.train.rankproc --backend megatron`.
 
 Importing this package imports nothing heavy.
 """
