@@ -43,9 +43,10 @@ def micro_batch(seed, vocab, n=8):
 def test_trained_weights_give_the_trainers_logprobs_in_vllm(family, tmp_path, vllm_python,
                                                             megatron_python):
     run_dir = tmp_path / "run"
-    # 2 heads of size 32 (vLLM's CPU attention), 1 KV head (GQA), q/k/v biases for qwen2
-    model_dir = tiny.make_model_dir(run_dir / "model", family=family, hidden_size=64,
-                                    num_heads=2, num_kv_heads=1, max_positions=512)
+    # 4 heads of size 32 (vLLM's CPU attention), 2 KV heads (GQA, one per TP rank),
+    # q/k/v biases for qwen2
+    model_dir = tiny.make_model_dir(run_dir / "model", family=family, hidden_size=128,
+                                    num_heads=4, num_kv_heads=2, max_positions=512)
     tiny.save_weights(tiny.new_model(model_dir, seed=0), tiny.weights_dir(run_dir, 0))
     vocab = tiny.load_tokenizer(model_dir).__len__()
     batches = [micro_batch(s, vocab) for s in (1, 2)]

@@ -2,7 +2,6 @@
 `sbatch sbatch/gyre.sbatch`, preemption by USR2 with requeue, `gyre submit`."""
 
 import json
-import os
 import subprocess
 import sys
 import time

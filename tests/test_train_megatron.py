@@ -16,7 +16,7 @@ from gyre_slurm.train.dist import WorldSpec, host_store
 from gyre_slurm.train.loss import policy_loss, rows_from_trajectories, token_logprobs
 from gyre_slurm.train.megatron import convert
 from gyre_slurm.train.megatron.convert import ModelShape
-from megatron_procs import ROOT, DriverError, MegatronProcesses
+from megatron_procs import DriverError, MegatronProcesses
 
 HOST = "127.0.0.1"
 VOCAB = 300  # not a multiple of 128: Megatron pads the vocabulary, the export cuts it

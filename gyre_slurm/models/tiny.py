@@ -103,13 +103,19 @@ def new_model(model_dir: str | Path, *, seed: int = 0):
 
 def save_weights(model, out_dir: str | Path) -> Path:
     """Write `out_dir/model.safetensors` atomically (temp dir, then rename)."""
+    return save_state(model.state_dict(), out_dir)
+
+
+def save_state(state, out_dir: str | Path) -> Path:
+    """Write a Hugging Face state dict as `out_dir/model.safetensors` (+ meta.json)
+    atomically: temp dir, then rename. Every trainer publishes through here."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
     (tmp / "meta.json").write_text(json.dumps({"num_tensors": len(state)}))
     if out_dir.exists():

@@ -49,6 +49,25 @@ from gyre_slurm.train.loss import policy_loss, rows_from_trajectories
 logger = logging.getLogger(__name__)
 
 
+def flat_grads_and_adamw(params: list, *, lr: float):
+    """One flat gradient buffer for `params` (each `.grad` a view into it, so a flush or
+    a step is one all-reduce) and AdamW with its state made eagerly (every member of a
+    world, and every checkpoint, has the same layout). Returns (grads, optimizer)."""
+    if len({p.dtype for p in params}) != 1:
+        raise TypeError("all trained parameters must share one dtype")
+    grads = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                        device=params[0].device)
+    offset = 0
+    for p in params:
+        p.grad = grads[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    optimizer = torch.optim.AdamW(params, lr=lr)
+    for p in params:
+        optimizer.state[p].update(step=torch.tensor(0.0, dtype=torch.float32),
+                                  exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+    return grads, optimizer
+
+
 class TrainerWorker:
     def __init__(self, *, model_dir: Path, node_index: int, lr: float = 1e-3, seed: int = 0,
                  grad_clip: float = 1.0):
@@ -77,19 +96,7 @@ class TrainerWorker:
             load_weights(model, init_weights)
         self.model = model.to(self.device).train()
         self._params = [p for p in self.model.parameters() if p.requires_grad]
-        if len({p.dtype for p in self._params}) != 1:
-            raise TypeError("all trained parameters must share one dtype")
-        total = sum(p.numel() for p in self._params)
-        self._grads = torch.zeros(total, dtype=self._params[0].dtype, device=self.device)
-        offset = 0
-        for p in self._params:
-            p.grad = self._grads[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-        self.optimizer = torch.optim.AdamW(self._params, lr=self.lr)
-        for p in self._params:  # eager state, so that every member has the same layout
-            self.optimizer.state[p].update(
-                step=torch.tensor(0.0, dtype=torch.float32),
-                exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        self._grads, self.optimizer = flat_grads_and_adamw(self._params, lr=self.lr)
 
     def _free(self) -> None:
         for p in self._params:

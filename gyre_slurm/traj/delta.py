@@ -13,7 +13,7 @@ an earlier call of the same run; `encode.DeltaEncoder` chooses it.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 

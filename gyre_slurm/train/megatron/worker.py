@@ -37,7 +37,6 @@ calls run on CPU; on a GPU it does nothing.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os
@@ -49,15 +48,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gyre_slurm.models import tiny
 from gyre_slurm.train import dist as gdist
 from gyre_slurm.train.dist import WorldSpec
 from gyre_slurm.train.loss import policy_loss, rows_from_trajectories, token_logprobs
 from gyre_slurm.train.megatron import convert
 from gyre_slurm.train.megatron.convert import ModelShape
+from gyre_slurm.train.worker import flat_grads_and_adamw
 
 logger = logging.getLogger(__name__)
 
-WEIGHTS_FILE = "model.safetensors"
 
 
 def _sharded_sync_writes() -> None:
@@ -159,17 +159,7 @@ class MegatronWorker:
             position_embedding_type="rope", rotary_base=int(s.rope_theta))
         self.model = model.to(self.device).train()
         self._params = [p for p in self.model.parameters() if p.requires_grad]
-        total = sum(p.numel() for p in self._params)
-        self._grads = torch.zeros(total, dtype=torch.float32, device=self.device)
-        offset = 0
-        for p in self._params:
-            p.grad = self._grads[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-        self.optimizer = torch.optim.AdamW(self._params, lr=self.lr)
-        for p in self._params:  # eager state: a checkpoint always has the same layout
-            self.optimizer.state[p].update(
-                step=torch.tensor(0.0, dtype=torch.float32),
-                exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        self._grads, self.optimizer = flat_grads_and_adamw(self._params, lr=self.lr)
 
     def _free(self) -> None:
         for p in self._params:
@@ -183,7 +173,7 @@ class MegatronWorker:
 
         from megatron.core import parallel_state as ps
 
-        hf = load_file(str(Path(weights_dir) / WEIGHTS_FILE))
+        hf = load_file(str(Path(weights_dir) / tiny.WEIGHTS_FILE))
         shard = convert.hf_to_megatron_shard(
             hf, self.shape, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=self.tp,
             pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=self.pp)
@@ -454,7 +444,7 @@ class MegatronWorker:
         state = self.hf_state_dict()
         if state is None:
             return None
-        return write_hf_weights(state, Path(out_dir))
+        return tiny.save_state(state, Path(out_dir))
 
     # ---- checkpoints ------------------------------------------------------------------------
 
@@ -556,20 +546,3 @@ class MegatronWorker:
                 h.update(t.detach().cpu().contiguous().numpy().tobytes())
         g = hashlib.sha256(self._grads.cpu().numpy().tobytes())
         return {"state": h.hexdigest(), "grads": g.hexdigest(), "version": self.version}
-
-
-def write_hf_weights(state: dict[str, torch.Tensor], out_dir: Path) -> Path:
-    """`out_dir/model.safetensors` (+ meta.json) atomically, like `tiny.save_weights`."""
-    from safetensors.torch import save_file
-
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-    save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-    (tmp / "meta.json").write_text(json.dumps({"num_tensors": len(state)}))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
-    return out_dir
