@@ -92,3 +92,19 @@ def test_vllm_and_megatron_tp2_run_with_handoffs(tmp_path):
     assert rebuilds
     for v in (1, 2, 3):  # Megatron's exports, in the HF layout vLLM loads
         assert (run_dir / "weights" / f"v{v:06d}" / "model.safetensors").is_file()
+
+
+def test_two_node_cells_serve_from_every_node_and_train_together(tmp_path):
+    """Cells of two nodes (colocate: both cells switch together): a rollout cell runs a
+    server on each of its nodes, the gateway spreads runs over them, and training worlds
+    hold every node of the training cells."""
+    run_dir = tmp_path / "cells2"
+    proc = gyre_run(run_dir, *FAST, "cluster.cell_nodes=2", "scheduler.policy=colocate")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    events = check_run_dir(run_dir, num_steps=3)
+    servers = {p.name for p in (run_dir / "logs").glob("engine-node*-s0.log")}
+    assert servers == {f"engine-node{n}-s0.log" for n in range(4)}, servers
+    worlds = [e["members"] for e in events if e["kind"] == "microbatch"]
+    assert worlds and all(m == [0, 1, 2, 3] for m in worlds), worlds
+    handoffs = [e for e in events if e["kind"] == "handoff"]
+    assert {e["direction"] for e in handoffs} == {"rollout->train", "train->rollout"}
