@@ -54,6 +54,7 @@ def test_a_container_runs_through_a_nested_srun_step(tmp_path, monkeypatch):
       "trainer.ranks_per_node=2", "cluster.gpus_per_node=0"], "whole nodes of 2 ranks"),
     (["rollout.tensor_parallel=3"], "must divide cluster.gpus_per_node = 8"),
     (["rollout.engine_args=[--foo]"], "apply to rollout.engine: vllm"),
+    (["rollout.release=sleep"], "apply to rollout.engine: vllm"),
     (["trainer.python="], "trainer.python is empty"),
 ])
 def test_engine_settings_are_checked_before_anything_runs(overrides, message):

@@ -108,3 +108,15 @@ def test_two_node_cells_serve_from_every_node_and_train_together(tmp_path):
     assert worlds and all(m == [0, 1, 2, 3] for m in worlds), worlds
     handoffs = [e for e in events if e["kind"] == "handoff"]
     assert {e["direction"] for e in handoffs} == {"rollout->train", "train->rollout"}
+
+
+def test_release_stop_stops_servers_and_starts_them_again(tmp_path):
+    """rollout.release: stop: a cell handed to training stops its server process; when
+    it comes back to rollout a new one starts on the current policy."""
+    run_dir = tmp_path / "stop"
+    proc = gyre_run(run_dir, *FAST, "rollout.release=stop", "scheduler.policy=colocate")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    check_run_dir(run_dir, num_steps=3)
+    starts = [line for p in (run_dir / "logs").glob("engine-node*-s0.log")
+              for line in p.read_text().splitlines() if "serving" in line.lower()]
+    assert len(starts) > 4, starts  # 4 first starts, then restarts after each phase

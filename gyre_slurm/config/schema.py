@@ -150,9 +150,10 @@ class RolloutConfig:
         if self.tensor_parallel is not None:
             _positive("tensor_parallel", self.tensor_parallel)
         _check_role_python("rollout", self.python, self.container_image)
-        if self.engine == "embedded" and (self.engine_args or self.release not in ("auto", "pause")):
-            raise ValueError("rollout.engine_args and rollout.release apply to "
-                             "rollout.engine: vllm; the embedded engine takes neither")
+        if self.engine == "embedded" and (self.engine_args or self.release == "sleep"):
+            raise ValueError("rollout.engine_args and rollout.release: sleep apply to "
+                             "rollout.engine: vllm (the embedded engine frees its model when "
+                             "released, or stops with release: stop)")
 
 
 @dataclass(frozen=True)
