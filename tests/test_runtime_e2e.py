@@ -73,16 +73,19 @@ def test_elastic_moves_cells_both_ways(tmp_path):
     assert decisions and all(d["reason"] for d in decisions)
 
 
-def test_killed_and_resumed_run_loses_and_repeats_nothing(tmp_path):
+@pytest.mark.parametrize("config", ["tiny.yaml", "tiny-vllm-megatron.yaml"])
+def test_killed_and_resumed_run_loses_and_repeats_nothing(tmp_path, config):
+    """SIGKILL of the whole job mid-step, then --resume (with the real engines too: the
+    Megatron state comes back from its dist_checkpointing checkpoint, resharded)."""
     run_dir = tmp_path / "resume"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    args = [sys.executable, "-m", "gyre_slurm", "run", str(ROOT / "configs" / "tiny.yaml"),
+    args = [sys.executable, "-m", "gyre_slurm", "run", str(ROOT / "configs" / config),
             "--run-dir", str(run_dir)]
     for item in FAST + ["workload.num_steps=5"]:
         args += ["--set", item]
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 240
+        deadline = time.time() + 400
         while time.time() < deadline:
             status = run_dir / "status.json"
             if status.exists() and json.loads(status.read_text()).get("version", 0) >= 2:
@@ -101,7 +104,7 @@ def test_killed_and_resumed_run_loses_and_repeats_nothing(tmp_path):
             except ProcessLookupError:
                 pass
     before = {r["run_id"] for r in read_jsonl(run_dir / "runs" / "runs.jsonl")}
-    resumed = gyre_run(run_dir, resume=True)
+    resumed = gyre_run(run_dir, resume=True, timeout_s=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     events = check_run_dir(run_dir, num_steps=5)
     after = {r["run_id"] for r in read_jsonl(run_dir / "runs" / "runs.jsonl")}
