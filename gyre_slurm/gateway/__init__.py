@@ -16,16 +16,48 @@ An agent run `<run_id>` uses an unmodified OpenAI client with
     GET  /runs/{run_id}/v1/models, GET /v1/models
 
 Requests need `Authorization: Bearer KEY` (else 401). Answers have the OpenAI shape
-(chat: choices[0].message {role, content}, finish_reason "stop"|"length", logprobs
-when asked: {"content": [{token, logprob, bytes, top_logprobs: []}]}, usage) plus a
-`gyre` object {run_id, call, server, policy_version}. Output text is decoded with
-special tokens skipped; generation stops at `<|im_end|>` or eos, and that stop token is
-part of the recorded output ids. Request fields: see `gateway.openai`. Re-sent assistant
-text is re-tokenized through the chat template (token-exactness of re-sent text is a
-later issue). Errors: `{"error": {message, type, code}}` with 400 (malformed JSON,
-missing messages, bad fields, prompt too long), 401, 404, 413 (body over 4 MiB),
-502 (the engine failed; the message names the server), 503 (no server within
+plus a `gyre` object {run_id, call, server, policy_version, calls (one call number per
+choice)}; request fields: see `gateway.openai`. Output text is decoded with special
+tokens skipped; generation stops at `<|im_end|>` or eos, and that stop token is part of
+the recorded output ids. Errors: `{"error": {message, type, code}}` with 400 (malformed
+JSON or fields, n over 16, prompt too long, ...), 401, 404, 413 (body over 4 MiB), 502
+(the engine failed; the message names the server), 503 (no server within
 `wait_for_server_s`).
+
+- Streaming (`stream: true`): Server-Sent Events in OpenAI's chunk format (chat: a
+  role chunk, one content chunk per token, or with tool calls one content chunk and one
+  chunk per call, a finish chunk carrying `gyre`; completions: one text chunk per
+  token, the last with finish_reason); `stream_options.include_usage` adds a usage chunk
+  with `choices: []`; then `data: [DONE]`. The engines answer whole generations, so
+  the stream is sent at once, after the generation: it is OpenAI's format, not earlier
+  tokens. The call is recorded exactly as without streaming.
+- `n` (1..16): n generations of the same prompt, run concurrently on the run's server
+  (choice i gets seed + i when a seed is given); each is its own call, with
+  consecutive call numbers in choice order. If one fails the request fails, with nothing
+  recorded. usage counts the prompt once and every choice's tokens.
+- `stop` (a string or up to 4): the answer text is cut before the first stop string
+  found (finish_reason "stop"); the recorded output is the shortest token prefix whose
+  text contains that stop string (its logprobs likewise): the tokens generated after it
+  are dropped, since the agent never sees them and they cannot be trained. The answer's
+  logprobs and usage cover the recorded tokens.
+- Tools (`tools`, `tool_choice` auto/none/required/named): rendered into the prompt and
+  parsed out of the text Hermes style (`gateway.tools`); a parsed call gives
+  `message.tool_calls` [{id, type "function", function {name, arguments (JSON
+  text)}}], finish_reason "tool_calls", content the rest of the text or null. "required"
+  and a named choice are instructions in the prompt only (decoding is not constrained);
+  "none" renders no tools and parses nothing. The record keeps the engine's finish
+  ("stop"/"length").
+- Token-exact history (`gateway.history`): for a chat prompt the gateway renders the
+  messages to text, finds the longest earlier anchor of the run whose text is a prefix
+  (a call's prompt, or a call's prompt + its answer as returned + the end of turn), and
+  uses that anchor's ids + the tokenized rest. So an agent that re-sends the assistant
+  messages it got (tool calls included) gets prompts that continue the previous call's
+  prompt + output ids exactly (the run is one chain of the prefix tree); an edited or
+  compacted history falls back to the longest unchanged anchor (a new branch from
+  there) or, with none, is tokenized whole. Completions with a text prompt use the same
+  rule (anchors: prompt, prompt + returned text); token-id prompts are taken as given.
+  The anchors of a run's last `history_calls_per_run` (16) calls are kept until
+  `end_run`.
 
 Every answered call is appended to the call store BEFORE the HTTP answer is sent:
 {"run_id", "call" (per run, from 0), "prompt_ids", "output_ids", "output_logprobs",

@@ -1,11 +1,14 @@
 """The `Gateway` class: the aiohttp app, auth, errors, and one model call end to end.
 
-A call: parse -> prompt token ids -> `Router.acquire` (maybe wait for a server) ->
-`EngineClient.generate` -> append the call record to the call store -> answer.
+A request: parse -> render (`tools`) -> prompt token ids (`history`) -> `Router.acquire`
+(maybe wait for a server) -> n x `EngineClient.generate` (concurrently) -> cut at stop
+strings, parse tool calls (`text`, `tools`) -> append the call records -> remember the
+turns (`history`) -> answer (JSON, or a whole event stream).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import re
@@ -13,12 +16,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jinja2
 from aiohttp import web
 
 from gyre_slurm.engines.client import EngineClient, EngineError
 from gyre_slurm.engines.embedded import check_loopback
-from gyre_slurm.gateway import openai
+from gyre_slurm.gateway import openai, tools
+from gyre_slurm.gateway.history import Anchor, History, Served, turn_anchor
 from gyre_slurm.gateway.router import NoServer, Router
+from gyre_slurm.gateway.text import cut_at_stop, token_pieces
 from gyre_slurm.models import tiny
 
 log = logging.getLogger(__name__)
@@ -38,13 +44,15 @@ class Gateway:
 
     def __init__(self, *, model_dir: Path, call_writer, api_key: str,
                  model_name: str = "gyre-policy", default_max_tokens: int = 64,
-                 wait_for_server_s: float = 60.0):
+                 wait_for_server_s: float = 60.0, history_calls_per_run: int = 16):
         if not api_key:
             raise ValueError("the gateway needs a non-empty api_key")
         self.tokenizer = tiny.load_tokenizer(model_dir)
         self.vocab_size = len(self.tokenizer)
         stop = {self.tokenizer.convert_tokens_to_ids("<|im_end|>"), self.tokenizer.eos_token_id}
         self.stop_token_ids = sorted(int(t) for t in stop if t is not None)
+        self.end_texts = self.tokenizer.convert_ids_to_tokens(self.stop_token_ids)
+        self.history = History(calls_per_run=history_calls_per_run)
         self.call_writer = call_writer
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
@@ -70,6 +78,7 @@ class Gateway:
 
     def end_run(self, run_id: str) -> None:
         self.router.end_run(run_id)
+        self.history.forget(run_id)
         self.call_writer.forget(run_id)
 
     def calls_of(self, run_id: str) -> int:
@@ -136,59 +145,140 @@ class Gateway:
         try:
             sampling = openai.parse_sampling(body, default_max_tokens=self.default_max_tokens,
                                              chat=True)
-            prompt_ids = tiny.chat_prompt_ids(self.tokenizer, openai.parse_messages(body))
+            spec = tools.parse_tools(body)
+            rendered = tools.render_messages(openai.parse_messages(body), spec,
+                                             lambda key: self.history.said(run_id, key))
+            prompt_text = self._render(rendered, generation_prompt=True)
         except openai.RequestError as exc:
             raise HttpError(400, str(exc)) from None
-        result, extra = await self._call(run_id, prompt_ids, sampling)
-        return web.json_response(openai.chat_response(
-            tokenizer=self.tokenizer, model=self.model_name, prompt_ids=prompt_ids,
-            result=result, want_logprobs=sampling.logprobs, extra=extra))
+        prompt, prompt_ids, _ = self.history.prompt(run_id, prompt_text, self._encode)
+        choices = await self._generate(run_id, prompt_ids, sampling, spec)
+        for c in choices:
+            full = self._render(rendered + [{"role": "assistant", "content": c.text}],
+                                generation_prompt=False)
+            said = {tools.message_key(c.content, c.tool_calls): c.text} if c.tool_calls else {}
+            self._remember(run_id, c, prompt, full, said)
+        kw = dict(model=self.model_name, prompt_ids=prompt_ids, choices=choices,
+                  token_strings=self._token_strings, want_logprobs=sampling.logprobs)
+        if sampling.stream:
+            return _sse(openai.chat_stream(**kw, include_usage=sampling.include_usage))
+        return web.json_response(openai.chat_response(**kw))
 
     async def _completions(self, request: web.Request) -> web.Response:
         run_id, body = await self._body(request)
         try:
             sampling = openai.parse_sampling(body, default_max_tokens=self.default_max_tokens,
                                              chat=False)
-            prompt_ids = openai.parse_prompt(body, self.tokenizer, self.vocab_size)
+            prompt = openai.parse_prompt(body, self.vocab_size)
         except openai.RequestError as exc:
             raise HttpError(400, str(exc)) from None
-        result, extra = await self._call(run_id, prompt_ids, sampling)
-        return web.json_response(openai.completion_response(
-            tokenizer=self.tokenizer, model=self.model_name, prompt_ids=prompt_ids,
-            result=result, want_logprobs=sampling.logprobs, extra=extra))
+        anchor = None
+        if isinstance(prompt, str):
+            anchor, prompt_ids, _ = self.history.prompt(run_id, prompt, self._encode)
+        else:
+            prompt_ids = prompt
+        choices = await self._generate(run_id, prompt_ids, sampling, tools.NO_TOOLS)
+        if anchor is not None:
+            for c in choices:
+                self._remember(run_id, c, anchor, prompt + c.text, {})
+        kw = dict(model=self.model_name, prompt_ids=prompt_ids, choices=choices,
+                  token_strings=self._token_strings, want_logprobs=sampling.logprobs)
+        if sampling.stream:
+            return _sse(openai.completion_stream(**kw, include_usage=sampling.include_usage))
+        return web.json_response(openai.completion_response(**kw))
 
-    async def _call(self, run_id: str, prompt_ids: list[int], sampling: openai.Sampling
-                    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Generate on the run's server and record the call; (engine answer, extras)."""
+    # -- one request: n generations, answers, records -------------------------------
+    def _encode(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)] \
+            if text else []
+
+    def _token_strings(self, ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([t]) for t in ids]
+
+    def _render(self, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
         try:
-            server = await self.router.acquire(run_id, wait_s=self.wait_for_server_s)
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=generation_prompt, tokenize=False)
+        except jinja2.TemplateError as exc:
+            raise openai.RequestError(f"the chat template failed on these messages: "
+                                      f"{exc}") from None
+
+    def _remember(self, run_id: str, c: openai.Choice, prompt: Anchor, full_text: str,
+                  said: dict[str, str]) -> None:
+        turn = turn_anchor(prompt=prompt, full_text=full_text, answer=c.text,
+                           output_ids=c.output_ids, pieces=c.pieces, end_texts=self.end_texts,
+                           stop_ids=self.stop_token_ids, encode=self._encode)
+        self.history.add(run_id, Served(c.gyre["call"], prompt, turn, said))
+
+    async def _generate(self, run_id: str, prompt_ids: list[int], sampling: openai.Sampling,
+                        spec: tools.ToolSpec) -> list[openai.Choice]:
+        """`n` generations on the run's server, answered and recorded (consecutive call
+        numbers, in choice order); any failure fails the request and records nothing."""
+        n = sampling.n
+        try:
+            server = await self.router.acquire(run_id, wait_s=self.wait_for_server_s, num=n)
         except NoServer as exc:
             raise HttpError(503, str(exc), "server_unavailable") from None
         t_start = time.time()
-        try:
+
+        async def one(i: int) -> tuple[dict[str, Any], float]:
+            seed = None if sampling.seed is None else sampling.seed + i
             result = await server.client.generate(
                 prompt_ids, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                stop_token_ids=self.stop_token_ids, seed=sampling.seed)
-        except EngineError as exc:
-            if exc.status == 400:
-                raise HttpError(400, f"the model rejected the request: {exc}") from None
-            log.warning("run %s: server %s failed: %s", run_id, server.server_id, exc)
-            raise HttpError(502, f"rollout server {server.server_id!r} failed: {exc}",
-                            "server_error") from None
+                stop_token_ids=self.stop_token_ids, seed=seed)
+            return result, time.time()
+        try:
+            results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
         finally:
-            self.router.release(server)
-        if not _well_formed(result):
-            raise HttpError(502, f"rollout server {server.server_id!r} answered a malformed "
-                            f"generation: {str(result)[:200]}", "server_error")
-        call = self._calls.get(run_id, 0)
-        self.call_writer.append({
-            "run_id": run_id, "call": call, "prompt_ids": prompt_ids,
-            "output_ids": result["output_ids"], "output_logprobs": result["output_logprobs"],
-            "policy_version": result["policy_version"], "t_start": t_start,
-            "t_end": time.time(), "finish_reason": result["finish_reason"]})
-        self._calls[run_id] = call + 1
-        return result, {"run_id": run_id, "call": call, "server": server.server_id,
-                        "policy_version": result["policy_version"]}
+            self.router.release(server, num=n)
+        for r in results:
+            if isinstance(r, EngineError):
+                if r.status == 400:
+                    raise HttpError(400, f"the model rejected the request: {r}") from None
+                log.warning("run %s: server %s failed: %s", run_id, server.server_id, r)
+                raise HttpError(502, f"rollout server {server.server_id!r} failed: {r}",
+                                "server_error") from None
+            if isinstance(r, BaseException):
+                raise r
+            if not _well_formed(r[0]):
+                raise HttpError(502, f"rollout server {server.server_id!r} answered a "
+                                f"malformed generation: {str(r[0])[:200]}", "server_error")
+        choices = []
+        for i, (result, t_end) in enumerate(results):
+            c, finish = self._answer(i, result, sampling, spec)
+            call = self._calls.get(run_id, 0)
+            self.call_writer.append({
+                "run_id": run_id, "call": call, "prompt_ids": prompt_ids,
+                "output_ids": c.output_ids, "output_logprobs": c.logprobs,
+                "policy_version": result["policy_version"], "t_start": t_start,
+                "t_end": t_end, "finish_reason": finish})
+            self._calls[run_id] = call + 1
+            c.gyre = {"run_id": run_id, "call": call, "server": server.server_id,
+                      "policy_version": result["policy_version"]}
+            choices.append(c)
+        return choices
+
+    def _answer(self, index: int, result: dict[str, Any], sampling: openai.Sampling,
+                spec: tools.ToolSpec) -> tuple[openai.Choice, str]:
+        """The answered choice and the finish reason to record: the generation is cut at
+        the first stop string (keeping the tokens up to the one completing it); tool calls
+        are parsed out of the text when tools are active."""
+        out, lps = list(result["output_ids"]), list(result["output_logprobs"])
+        pieces = token_pieces(self.tokenizer, out, skip_special=True)
+        text, finish = "".join(pieces), result["finish_reason"]
+        cut = cut_at_stop(pieces, sampling.stop) if sampling.stop else None
+        if cut is not None:
+            text, k = cut
+            out, lps, pieces, finish = out[:k], lps[:k], pieces[:k], "stop"
+        content, calls = tools.parse_tool_calls(text) if spec.active else (text, [])
+        answered = "tool_calls" if calls else finish
+        return openai.Choice(index, out, lps, pieces, text, answered, content, calls), finish
+
+
+def _sse(payload: bytes) -> web.Response:
+    """A whole event stream at once: the engines answer whole generations."""
+    return web.Response(body=payload, content_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache"})
 
 
 def _well_formed(result: dict[str, Any]) -> bool:

@@ -1,26 +1,37 @@
 """OpenAI request parsing and response shapes (chat completions and completions).
 
-Supported request fields: `messages` (chat) / `prompt` (a string, a one-string list, or
-a list of token ids), `max_completion_tokens` / `max_tokens` (default: the gateway's),
-`temperature` (default 1.0, 0 = greedy), `seed`, `logprobs` (chat: bool; completions:
-an int, the number of top alternatives, which are not reported), `n` = 1 only,
-`stream` = false only, `echo` = false only. `stop` strings, `tools`, `top_p`,
-penalties and the like are accepted and ignored (generation stops at `<|im_end|>` and
-the eos token). Message content is a string, null, or a list of text parts.
-Re-sent assistant messages are re-tokenized through the chat template (their text, not
-the tokens first sampled: making re-sent text token-exact is a later issue).
+Request fields honoured: `messages` (chat: roles system/developer/user/assistant/tool;
+content a string, null or a list of text parts; assistant `tool_calls`; tool
+`tool_call_id`) / `prompt` (a string, a one-string list, or a list of token ids),
+`max_completion_tokens` / `max_tokens` (default: the gateway's), `temperature`
+(default 1.0, 0 = greedy), `seed` (choice i of n gets seed + i), `n` (1..16), `stream`
+and `stream_options.include_usage`, `stop` (a string or up to 4), `logprobs` (chat:
+bool, with `top_logprobs` 0..20 accepted; completions: an int), `tools` and
+`tool_choice` (see `gateway.tools`). Refused: `echo`, `functions`/`function_call`.
+Accepted and ignored: `top_p`, penalties, `logit_bias`, `user`, `response_format`,
+`parallel_tool_calls` and anything else. Top-logprob alternatives are reported empty
+(`top_logprobs: []` per token in chat, `null` in completions): the engines return only
+the sampled token's logprob.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from gyre_slurm.gateway.errors import RequestError
 
-class RequestError(ValueError):
-    """A malformed request (400); the message says what to fix."""
+__all__ = ["RequestError", "Sampling", "Choice", "parse_sampling", "parse_messages",
+           "parse_prompt", "chat_response", "completion_response", "chat_stream",
+           "completion_stream", "models_response", "error_body"]
+
+MAX_N = 16
+MAX_STOPS = 4
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -29,17 +40,57 @@ class Sampling:
     temperature: float
     seed: int | None
     logprobs: bool
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Choice:
+    """One generation as answered: `output_ids`/`logprobs` as recorded (cut at a stop
+    string), `pieces` the answer text of each of those tokens (special tokens empty),
+    `text` the answer text, `content`/`tool_calls` the chat message."""
+
+    index: int
+    output_ids: list[int]
+    logprobs: list[float]
+    pieces: list[str]
+    text: str
+    finish_reason: str
+    content: str | None
+    tool_calls: list[dict[str, str]] = field(default_factory=list)
+    gyre: dict[str, Any] = field(default_factory=dict)
 
 
 def _int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _int_field(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int | None
+               ) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _int(v) or v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"from {lo} to {hi}"
+        raise RequestError(f"{name} must be an integer {rng}, got {v!r}")
+    return v
+
+
+def _stops(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS \
+            or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError(f"stop must be a non-empty string or a list of at most "
+                           f"{MAX_STOPS} non-empty strings, got {stop!r}")
+    return tuple(stops)
+
+
 def parse_sampling(body: dict[str, Any], *, default_max_tokens: int, chat: bool) -> Sampling:
-    if body.get("stream"):
-        raise RequestError("stream=true is not supported: ask without streaming")
-    if body.get("n", 1) not in (1, None):
-        raise RequestError(f"n={body['n']!r}: only n=1 is supported")
     if body.get("echo"):
         raise RequestError("echo=true is not supported")
     max_tokens = body.get("max_completion_tokens")
@@ -57,106 +108,241 @@ def parse_sampling(body: dict[str, Any], *, default_max_tokens: int, chat: bool)
     seed = body.get("seed")
     if seed is not None and not _int(seed):
         raise RequestError(f"seed must be an integer, got {seed!r}")
+    n = _int_field(body, "n", 1, 1, MAX_N)
     lp = body.get("logprobs")
     if chat and lp not in (None, True, False):
         raise RequestError(f"logprobs must be true or false, got {lp!r}")
-    if not chat and lp is not None and (not _int(lp) or lp < 0):
-        raise RequestError(f"logprobs must be an integer >= 0 or null, got {lp!r}")
+    if not chat:
+        _int_field(body, "logprobs", None, 0, None)
+    _int_field(body, "top_logprobs", None, 0, 20)
+    stream = body.get("stream")
+    if stream not in (None, True, False):
+        raise RequestError(f"stream must be true or false, got {stream!r}")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise RequestError("stream_options must be an object like {\"include_usage\": true}")
+    include_usage = bool((options or {}).get("include_usage"))
     want = bool(lp) if chat else lp is not None
-    return Sampling(max_tokens, float(temperature), seed, want)
+    return Sampling(max_tokens, float(temperature), seed, want, n, bool(stream),
+                    include_usage, _stops(body))
 
 
-def _content(i: int, content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
+def _content(where: str, content: Any) -> str | None:
+    if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" \
                     or not isinstance(part.get("text"), str):
-                raise RequestError(f"messages[{i}].content: only text parts "
+                raise RequestError(f"{where}.content: only text parts "
                                    "({\"type\": \"text\", \"text\": ...}) are supported")
             parts.append(part["text"])
         return "".join(parts)
-    raise RequestError(f"messages[{i}].content must be a string, null or a list of parts")
+    raise RequestError(f"{where}.content must be a string, null or a list of parts")
 
 
-def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _tool_calls(where: str, calls: Any) -> list[dict[str, str]]:
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise RequestError(f"{where}.tool_calls must be a list")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not isinstance(fn.get("arguments", ""), str) \
+                or c.get("type", "function") != "function":
+            raise RequestError(f"{where}.tool_calls[{j}] must be {{\"id\", \"type\": "
+                               "\"function\", \"function\": {\"name\", \"arguments\": a "
+                               "JSON string}}")
+        out.append({"id": str(c.get("id") or ""), "name": fn["name"],
+                    "arguments": fn.get("arguments", "")})
+    return out
+
+
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """[{role, content (str or None), tool_calls [{id, name, arguments}], tool_call_id}]"""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list of {role, content}")
     out = []
     for i, m in enumerate(messages):
+        where = f"messages[{i}]"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise RequestError(f"messages[{i}] must be an object with a string 'role'")
-        out.append({"role": m["role"], "content": _content(i, m.get("content"))})
+            raise RequestError(f"{where} must be an object with a string 'role'")
+        if m["role"] not in ROLES:
+            raise RequestError(f"{where}.role {m['role']!r}: use one of {', '.join(ROLES)}")
+        calls = _tool_calls(where, m.get("tool_calls")) if m["role"] == "assistant" else []
+        out.append({"role": m["role"], "content": _content(where, m.get("content")),
+                    "tool_calls": calls, "tool_call_id": m.get("tool_call_id")})
     return out
 
 
-def parse_prompt(body: dict[str, Any], tokenizer, vocab_size: int) -> list[int]:
+def parse_prompt(body: dict[str, Any], vocab_size: int) -> str | list[int]:
+    """The prompt text, or its token ids when given as ids."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
-    elif isinstance(prompt, list) and prompt and all(_int(t) for t in prompt):
-        ids = prompt
-        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if not prompt:
+            raise RequestError("the prompt is empty")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_int(t) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside [0, {vocab_size})")
-    else:
-        raise RequestError("'prompt' must be a string or a non-empty list of token ids "
-                           "(one prompt per request)")
-    if not ids:
-        raise RequestError("the prompt is empty")
-    return [int(t) for t in ids]
+        return [int(t) for t in prompt]
+    raise RequestError("'prompt' must be a string or a non-empty list of token ids "
+                       "(one prompt per request)")
 
 
-def _usage(prompt_ids: list[int], output_ids: list[int]) -> dict[str, int]:
-    return {"prompt_tokens": len(prompt_ids), "completion_tokens": len(output_ids),
-            "total_tokens": len(prompt_ids) + len(output_ids)}
+# -- answers ---------------------------------------------------------------------------
+def _usage(prompt_ids: Sequence[int], choices: Sequence[Choice]) -> dict[str, int]:
+    out = sum(len(c.output_ids) for c in choices)
+    return {"prompt_tokens": len(prompt_ids), "completion_tokens": out,
+            "total_tokens": len(prompt_ids) + out}
 
 
-def _token_strings(tokenizer, ids: list[int]) -> list[str]:
-    return [tokenizer.decode([t]) for t in ids]
+def _gyre(choices: Sequence[Choice]) -> dict[str, Any]:
+    """The first choice's gyre object, plus every choice's call numbers."""
+    return {**choices[0].gyre, "calls": [c.gyre["call"] for c in choices]}
 
 
-def chat_response(*, tokenizer, model: str, prompt_ids: list[int], result: dict[str, Any],
-                  want_logprobs: bool, extra: dict[str, Any]) -> dict[str, Any]:
-    out = result["output_ids"]
-    logprobs = None
-    if want_logprobs:
-        logprobs = {"content": [
-            {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
-            for s, lp in zip(_token_strings(tokenizer, out), result["output_logprobs"])]}
-    text = tokenizer.decode(out, skip_special_tokens=True)
+def _chat_lp(tokens: Sequence[str], lps: Sequence[float]) -> list[dict[str, Any]]:
+    return [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
+            for s, lp in zip(tokens, lps)]
+
+
+def _tool_call_objs(calls: Sequence[dict[str, str]]) -> list[dict[str, Any]]:
+    return [{"id": c["id"], "type": "function",
+             "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+
+
+def chat_response(*, model: str, prompt_ids: Sequence[int], choices: Sequence[Choice],
+                  token_strings, want_logprobs: bool) -> dict[str, Any]:
+    """`token_strings(ids)`: one display string per token (for logprobs)."""
+    out = []
+    for c in choices:
+        message: dict[str, Any] = {"role": "assistant", "content": c.content}
+        if c.tool_calls:
+            message["tool_calls"] = _tool_call_objs(c.tool_calls)
+        lp = {"content": _chat_lp(token_strings(c.output_ids), c.logprobs)} \
+            if want_logprobs else None
+        out.append({"index": c.index, "message": message, "logprobs": lp,
+                    "finish_reason": c.finish_reason})
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-            "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": logprobs, "finish_reason": result["finish_reason"]}],
-            "usage": _usage(prompt_ids, out), "gyre": extra}
+            "created": int(time.time()), "model": model, "choices": out,
+            "usage": _usage(prompt_ids, choices), "gyre": _gyre(choices)}
 
 
-def completion_response(*, tokenizer, model: str, prompt_ids: list[int],
-                        result: dict[str, Any], want_logprobs: bool,
-                        extra: dict[str, Any]) -> dict[str, Any]:
-    out = result["output_ids"]
-    logprobs = None
-    if want_logprobs:
-        tokens = _token_strings(tokenizer, out)
-        offsets, pos = [], 0
-        for s in tokens:
-            offsets.append(pos)
-            pos += len(s)
-        logprobs = {"tokens": tokens, "token_logprobs": list(result["output_logprobs"]),
-                    "top_logprobs": None, "text_offset": offsets}
+def _completion_lp(tokens: Sequence[str], lps: Sequence[float], start: int
+                   ) -> dict[str, Any]:
+    offsets, pos = [], start
+    for s in tokens:
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": list(tokens), "token_logprobs": list(lps), "top_logprobs": None,
+            "text_offset": offsets}
+
+
+def completion_response(*, model: str, prompt_ids: Sequence[int],
+                        choices: Sequence[Choice], token_strings,
+                        want_logprobs: bool) -> dict[str, Any]:
+    out = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+            "logprobs": _completion_lp(token_strings(c.output_ids), c.logprobs, 0)
+            if want_logprobs else None} for c in choices]
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": tokenizer.decode(out, skip_special_tokens=True),
-                         "logprobs": logprobs, "finish_reason": result["finish_reason"]}],
-            "usage": _usage(prompt_ids, out), "gyre": extra}
+            "created": int(time.time()), "model": model, "choices": out,
+            "usage": _usage(prompt_ids, choices), "gyre": _gyre(choices)}
+
+
+def _text_steps(c: Choice, text: str) -> Iterator[tuple[str, list[int]]]:
+    """(piece of `text`, token indices whose logprobs go with it), token by token; the
+    tokens after `text` is complete (a cut stop string, a final special token) come last
+    with an empty piece."""
+    left, waiting = len(text), []
+    for i, piece in enumerate(c.pieces):
+        waiting.append(i)
+        piece = piece[:left] if left > 0 else ""
+        if piece:
+            left -= len(piece)
+            yield piece, waiting
+            waiting = []
+    if waiting:
+        yield "", waiting
+
+
+def _sse(chunks: Sequence[dict[str, Any]]) -> bytes:
+    return b"".join(b"data: " + json.dumps(c, ensure_ascii=False).encode() + b"\n\n"
+                    for c in chunks) + b"data: [DONE]\n\n"
+
+
+def chat_stream(*, model: str, prompt_ids: Sequence[int], choices: Sequence[Choice],
+                token_strings, want_logprobs: bool, include_usage: bool) -> bytes:
+    """The whole Server-Sent-Events body: per choice a role chunk, content chunks (one
+    per token, or one with tool calls), tool-call chunks, a finish chunk; a usage chunk
+    if asked; `data: [DONE]`."""
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": model}
+    chunks = []
+
+    def chunk(c: Choice, delta: dict[str, Any], idx: Sequence[int] = (),
+              finish: str | None = None, **extra: Any) -> None:
+        lp = {"content": _chat_lp(token_strings([c.output_ids[i] for i in idx]),
+                                  [c.logprobs[i] for i in idx])} \
+            if want_logprobs and idx else None
+        chunks.append({**head, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
+                                            "finish_reason": finish}], **extra})
+    for c in choices:
+        chunk(c, {"role": "assistant", "content": ""})
+        rest: list[int] = []
+        if c.tool_calls:
+            if c.content:
+                chunk(c, {"content": c.content})
+            for j, call in enumerate(_tool_call_objs(c.tool_calls)):
+                chunk(c, {"tool_calls": [{"index": j, **call}]})
+            rest = list(range(len(c.output_ids)))
+        else:
+            for piece, idx in _text_steps(c, c.content or ""):
+                if piece:
+                    chunk(c, {"content": piece}, idx)
+                else:
+                    rest = idx
+        chunk(c, {}, rest, c.finish_reason, gyre=c.gyre)
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": _usage(prompt_ids, choices),
+                       "gyre": _gyre(choices)})
+    return _sse(chunks)
+
+
+def completion_stream(*, model: str, prompt_ids: Sequence[int],
+                      choices: Sequence[Choice], token_strings, want_logprobs: bool,
+                      include_usage: bool) -> bytes:
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+            "created": int(time.time()), "model": model}
+    chunks = []
+    for c in choices:
+        offset = 0
+        steps = list(_text_steps(c, c.text))
+        for k, (piece, idx) in enumerate(steps):
+            last = k == len(steps) - 1
+            lp = _completion_lp(token_strings([c.output_ids[i] for i in idx]),
+                                [c.logprobs[i] for i in idx], offset) \
+                if want_logprobs else None
+            offset += len(piece)
+            chunks.append({**head, "choices": [{
+                "index": c.index, "text": piece, "logprobs": lp,
+                "finish_reason": c.finish_reason if last else None}],
+                **({"gyre": c.gyre} if last else {})})
+        if not steps:
+            chunks.append({**head, "choices": [{"index": c.index, "text": "", "logprobs": None,
+                                                "finish_reason": c.finish_reason}],
+                           "gyre": c.gyre})
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": _usage(prompt_ids, choices),
+                       "gyre": _gyre(choices)})
+    return _sse(chunks)
 
 
 def models_response(model: str, created: int) -> dict[str, Any]:

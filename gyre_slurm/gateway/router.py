@@ -104,8 +104,8 @@ class Router:
         self.affinity[run_id] = best.server_id
         return best
 
-    async def acquire(self, run_id: str, *, wait_s: float) -> ServerState:
-        """The run's server, with one more call in flight (call `release` after)."""
+    async def acquire(self, run_id: str, *, wait_s: float, num: int = 1) -> ServerState:
+        """The run's server, with `num` more calls in flight (`release` them after)."""
         deadline = time.monotonic() + wait_s
         while (state := self._pick(run_id)) is None:
             remaining = deadline - time.monotonic()
@@ -116,8 +116,8 @@ class Router:
                 await asyncio.wait_for(self._changed.wait(), remaining)
             except asyncio.TimeoutError:
                 pass
-        state.in_flight += 1
+        state.in_flight += num
         return state
 
-    def release(self, state: ServerState) -> None:
-        state.in_flight -= 1
+    def release(self, state: ServerState, num: int = 1) -> None:
+        state.in_flight -= num
