@@ -154,8 +154,11 @@ class Gateway:
         prompt, prompt_ids, _ = self.history.prompt(run_id, prompt_text, self._encode)
         choices = await self._generate(run_id, prompt_ids, sampling, spec)
         for c in choices:
-            full = self._render(rendered + [{"role": "assistant", "content": c.text}],
-                                generation_prompt=False)
+            try:
+                full = self._render(rendered + [{"role": "assistant", "content": c.text}],
+                                    generation_prompt=False)
+            except openai.RequestError:  # recorded already: answer, with no turn anchor
+                full = None
             said = {tools.message_key(c.content, c.tool_calls): c.text} if c.tool_calls else {}
             self._remember(run_id, c, prompt, full, said)
         kw = dict(model=self.model_name, prompt_ids=prompt_ids, choices=choices,
@@ -203,9 +206,9 @@ class Gateway:
             raise openai.RequestError(f"the chat template failed on these messages: "
                                       f"{exc}") from None
 
-    def _remember(self, run_id: str, c: openai.Choice, prompt: Anchor, full_text: str,
-                  said: dict[str, str]) -> None:
-        turn = turn_anchor(prompt=prompt, full_text=full_text, answer=c.text,
+    def _remember(self, run_id: str, c: openai.Choice, prompt: Anchor,
+                  full_text: str | None, said: dict[str, str]) -> None:
+        turn = None if full_text is None else turn_anchor(prompt=prompt, full_text=full_text, answer=c.text,
                            output_ids=c.output_ids, pieces=c.pieces, end_texts=self.end_texts,
                            stop_ids=self.stop_token_ids, encode=self._encode)
         self.history.add(run_id, Served(c.gyre["call"], prompt, turn, said))
