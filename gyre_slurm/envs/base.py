@@ -13,15 +13,26 @@ agent puts first. `step` after `done` raises `RuntimeError`. The reward of a ste
 the reward earned by that step; environments here pay only on the last step, so the
 run's reward is the `reward` of the final `StepResult`.
 
-To plug in an environment: a class with `name`, `system_prompt`, `reset`, `step` and
-`close`, registered with `register_env(name, factory)`, where `factory(**params)`
-returns a fresh instance (one instance serves one run at a time).
+`info` is a dict of JSON-able facts about the step (each env documents its keys).
+`close` releases what the env holds (files, processes); a closed env may be `reset`
+again. The runtime makes one env per run (`make_env(rt.env, **rt.env_params)`), drives
+it with the agent loop (`gyre_slurm.agents.loop`: the action is the model's reply
+text, the observation the next user message) and closes it when the run ends.
 
-Tasks: `tasks_for_step(env_name, step=, num_prompts=, seed=)` gives the prompts of a
-training step as `TaskSpec(task_id, seed)`; it is a pure function of its arguments
-(blake2b of (env, seed, step, index), not Python's salted `hash`), so every process
-that asks gets the same list. `task_id` is "<env>/<task seed>"; with `pool_size` the
-task seeds are drawn from 0..pool_size-1 (so tasks repeat across steps).
+To plug in an environment: a class with `name`, `system_prompt`, `reset`, `step` and
+`close`, registered with `register_env(name, factory, task_names=None)`, where
+`factory(**params)` returns a fresh instance (one instance serves one run at a time)
+and `task_names(params) -> list[str]`, if given, names the env's tasks. See
+docs/environments.md.
+
+Tasks: `tasks_for_step(env_name, step=, num_prompts=, seed=, env_params=)` gives the
+prompts of a training step as `TaskSpec(task_id, seed)`; it is a pure function of its
+arguments (blake2b of (env, seed, step, index), not Python's salted `hash`), so every
+process that asks gets the same list. `task_id` is "<env>/<task seed>", or, for an env
+registered with `task_names`, "<env>/<name>/<task seed>" with name =
+sorted(names)[task seed % len(names)]; with `pool_size` the task seeds are drawn from
+0..pool_size-1 (so tasks repeat across steps; pool_size = len(names) gives each named
+task one seed).
 """
 
 from __future__ import annotations
@@ -61,11 +72,17 @@ class Environment(Protocol):
 
 
 _REGISTRY: dict[str, Callable[..., Environment]] = {}
+_TASK_NAMES: dict[str, Callable[[dict[str, Any]], list[str]]] = {}
 
 
-def register_env(name: str, factory: Callable[..., Environment]) -> None:
-    """Register `factory(**params) -> Environment` under `name` (a later one replaces it)."""
+def register_env(name: str, factory: Callable[..., Environment], *,
+                 task_names: Callable[[dict[str, Any]], list[str]] | None = None) -> None:
+    """Register `factory(**params) -> Environment` under `name` (a later one replaces it).
+    `task_names(params)`, when given, lists the env's named tasks for `tasks_for_step`."""
     _REGISTRY[name] = factory
+    _TASK_NAMES.pop(name, None)
+    if task_names is not None:
+        _TASK_NAMES[name] = task_names
 
 
 def env_names() -> list[str]:
@@ -87,7 +104,7 @@ def make_env(name: str, **params: Any) -> Environment:
 
 def _load_builtin() -> None:
     # Imported here: the built-in environments register themselves on import.
-    from gyre_slurm.envs import learnable, longhorizon  # noqa: F401
+    from gyre_slurm.envs import learnable, longhorizon, shell  # noqa: F401
 
 
 def stable_int(*parts: object, bits: int = 31) -> int:
@@ -97,16 +114,25 @@ def stable_int(*parts: object, bits: int = 31) -> int:
 
 
 def tasks_for_step(env_name: str, *, step: int, num_prompts: int, seed: int,
-                   pool_size: int | None = None) -> list[TaskSpec]:
-    """The `num_prompts` tasks of training step `step` (deterministic)."""
+                   pool_size: int | None = None,
+                   env_params: dict[str, Any] | None = None) -> list[TaskSpec]:
+    """The `num_prompts` tasks of training step `step` (deterministic). `env_params`
+    (the env's parameters) reach its `task_names`, e.g. a custom tasks folder."""
     if num_prompts < 0 or step < 0:
         raise UserError("step and num_prompts must be >= 0")
     if pool_size is not None and pool_size < 1:
         raise UserError("pool_size must be >= 1")
+    _load_builtin()
+    names = None
+    if env_name in _TASK_NAMES:
+        names = sorted(_TASK_NAMES[env_name](dict(env_params or {})))
+        if not names:
+            raise UserError(f"environment {env_name!r} has no tasks (params {env_params})")
     out = []
     for i in range(num_prompts):
         task_seed = stable_int(env_name, seed, step, i)
         if pool_size is not None:
             task_seed %= pool_size
-        out.append(TaskSpec(task_id=f"{env_name}/{task_seed}", seed=task_seed))
+        prefix = env_name if names is None else f"{env_name}/{names[task_seed % len(names)]}"
+        out.append(TaskSpec(task_id=f"{prefix}/{task_seed}", seed=task_seed))
     return out

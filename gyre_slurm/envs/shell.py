@@ -1,0 +1,292 @@
+"""`shell`: an agent works on a small coding task with shell commands in a sandbox.
+
+A task is a folder (built-ins under `gyre_slurm/envs/tasks/`; or `tasks_dir=`):
+- `task.yaml` (or `task.json`): `instruction` (text), `test_command` (a shell
+  command), `tests` (the names of the tests, which the reward counts);
+- `files/` (optional): copied into a fresh working directory at `reset`;
+- `tests/`: copied into `<workdir>/.gyre_tests/` only when the episode is scored
+  (replacing whatever the agent put there), with `gyre_runner.py` (see
+  `tasks/gyre_runner.py`) beside it, so `python3 .gyre_tests/gyre_runner.py` runs them;
+- `solution.sh` (optional, never shown to the agent): a reference solution, used by
+  the tests to check that every task is solvable.
+
+Task ids are "shell/<task name>/<seed>" (`tasks_for_step` draws the names; the seed
+does not change a task). `reset` makes the working directory `<base_dir>/<name>-XXXX`
+(`base_dir`: a parameter; default a private temp dir) and returns the instruction with
+the rules of the game.
+
+Actions: the model's reply must hold exactly one ```bash (or ```sh) fenced block; its
+content is the command, run by `bash -c` in the working directory (seen as
+/home/agent) in a sandbox (`gyre_slurm.envs.sandbox`: read-only host, no network,
+limits; files persist between commands, the shell's state does not). The observation
+is "<returncode>N</returncode>\n<output>\n...</output>". A reply with no block or
+several runs nothing and its observation restates the format. A block whose command is
+just `submit` ends the episode.
+
+The episode ends (done=True), and is scored, on: `submit` (end_reason "submit"),
+the `max_steps`-th reply (end_reason "max_steps"), or a command that exceeds a limit
+(end_reason "limit", `info["limit"]` in "time" | "cpu" | "memory" | "fsize" |
+"output"; the observation says which). Scoring copies the tests in, runs
+`test_command` in the same sandbox with the same limits, and reads its output lines
+`PASS <name>` / `FAIL <name>` (anything may follow a colon): reward = (declared tests
+with a PASS and no FAIL) / (declared tests). A test not reported (crash, limit)
+counts as failed. The final `info` holds {"end_reason", "tests": {name: bool},
+"num_passed", "num_tests", "test_output" (first 2000 chars), "test_limit"}; every
+step's `info` holds {"step", "exit_code", "limit", "elapsed_s"} (exit_code None when
+no command ran or it was killed). Earlier steps pay 0.0.
+
+`close()` removes the working directory (`keep_workdir=True` keeps it, for debugging);
+nothing a command started is still running after its step returns.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gyre_slurm.envs.base import StepResult, register_env
+from gyre_slurm.envs.sandbox import (
+    ISOLATIONS, Limits, Sandbox, default_sandbox_uid, ensure_bwrap)
+from gyre_slurm.errors import UserError
+
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+RUNNER = "gyre_runner.py"
+TESTS_SUBDIR = ".gyre_tests"
+SUBMIT = "submit"
+TEST_OUTPUT_CHARS = 2000
+_BLOCK = re.compile(r"```(?:bash|sh)[ \t]*\n(.*?)```", re.DOTALL)
+_RESULT = re.compile(r"^(PASS|FAIL) ([^\s:]+)", re.MULTILINE)
+
+SYSTEM_PROMPT = """You are an agent working on a task in a Linux shell sandbox.
+Each reply: think briefly, then give exactly ONE command in a fenced block:
+```bash
+COMMAND
+```
+Each command runs with bash in the task directory, in a fresh shell (cd and variables
+do not carry over; files do). There is no network. Output is cut when long.
+When the task is done, reply with a block holding only the word submit:
+```bash
+submit
+```"""
+
+FORMAT_HELP = ("No command was run: reply with exactly one ```bash fenced block holding the "
+               "command (or just `submit` to finish).")
+
+
+@dataclass(frozen=True)
+class ShellTask:
+    name: str
+    root: Path
+    instruction: str
+    test_command: str
+    tests: tuple[str, ...]
+
+
+def load_task(root: Path) -> ShellTask:
+    """The task in folder `root` (task.yaml or task.json); `UserError` when malformed."""
+    yml, jsn = root / "task.yaml", root / "task.json"
+    if yml.is_file():
+        data = yaml.safe_load(yml.read_text())
+    elif jsn.is_file():
+        data = json.loads(jsn.read_text())
+    else:
+        raise UserError(f"shell task {root}: no task.yaml or task.json")
+    keys = {"instruction", "test_command", "tests"}
+    if not isinstance(data, dict) or set(data) != keys:
+        raise UserError(f"shell task {root}: the task file must have exactly the keys "
+                        f"{sorted(keys)}, got {sorted(data) if isinstance(data, dict) else data!r}")
+    tests = data["tests"]
+    if (not isinstance(tests, list) or not tests or len(set(tests)) != len(tests)
+            or not all(isinstance(t, str) and re.fullmatch(r"[^\s:]+", t) for t in tests)):
+        raise UserError(f"shell task {root}: `tests` must be a non-empty list of distinct "
+                        f"names without spaces or colons, got {tests!r}")
+    if not (root / "tests").is_dir():
+        raise UserError(f"shell task {root}: no tests/ folder")
+    return ShellTask(name=root.name, root=root, instruction=str(data["instruction"]).strip(),
+                     test_command=str(data["test_command"]), tests=tuple(tests))
+
+
+def task_names(tasks_dir: Path | str | None = None) -> list[str]:
+    """The task folders of `tasks_dir` (default: the built-ins), sorted."""
+    d = Path(tasks_dir) if tasks_dir is not None else TASKS_DIR
+    if not d.is_dir():
+        raise UserError(f"shell: tasks_dir {d} is not a directory")
+    return sorted(p.name for p in d.iterdir()
+                  if (p / "task.yaml").is_file() or (p / "task.json").is_file())
+
+
+def extract_command(reply: str) -> str | None:
+    """The command of a reply with exactly one ```bash/```sh block, else None."""
+    blocks = _BLOCK.findall(reply)
+    return blocks[0].strip() if len(blocks) == 1 else None
+
+
+def score(output: str, tests: tuple[str, ...]) -> dict[str, bool]:
+    """Each declared test: True when the output has `PASS name` and no `FAIL name`."""
+    seen: dict[str, bool] = {}
+    for verdict, name in _RESULT.findall(output):
+        if name in tests:
+            seen[name] = seen.get(name, True) and verdict == "PASS"
+    return {t: seen.get(t, False) for t in tests}
+
+
+_DEFAULT_BASE: list[Path] = []
+
+
+def default_base_dir() -> Path:
+    """A private temp dir (mode 0700) for this process's workdirs, removed at exit when
+    empty."""
+    if not _DEFAULT_BASE:
+        d = Path(tempfile.mkdtemp(prefix="gyre-sandboxes-"))
+        _DEFAULT_BASE.append(d)
+        atexit.register(lambda: d.rmdir() if d.is_dir() and not any(d.iterdir()) else None)
+    return _DEFAULT_BASE[0]
+
+
+class ShellEnv:
+    name = "shell"
+
+    def __init__(self, *, tasks_dir: str | None = None, base_dir: str | None = None,
+                 isolation: str = "bwrap", keep_workdir: bool = False, max_steps: int = 30,
+                 time_s: float = 30.0, cpu_s: int = 30, memory_mb: int = 1024,
+                 fsize_mb: int = 64, nproc: int = 128, output_bytes: int = 16_384,
+                 sandbox_uid: int | None = None):
+        if isolation not in ISOLATIONS:
+            raise UserError(f"shell: isolation must be one of {ISOLATIONS} ('none' runs "
+                            f"commands unisolated: trusted tasks only), got {isolation!r}")
+        if max_steps < 1:
+            raise UserError(f"shell: max_steps must be >= 1, got {max_steps}")
+        self.tasks_dir = Path(tasks_dir) if tasks_dir is not None else TASKS_DIR
+        self.names = task_names(self.tasks_dir)
+        self.base_dir = Path(base_dir) if base_dir is not None else None
+        self.isolation, self.keep_workdir, self.max_steps = isolation, keep_workdir, int(max_steps)
+        self.limits = Limits(time_s=float(time_s), cpu_s=int(cpu_s), memory_mb=int(memory_mb),
+                             fsize_mb=int(fsize_mb), nproc=int(nproc),
+                             output_bytes=int(output_bytes))
+        self.uid = default_sandbox_uid() if sandbox_uid is None else int(sandbox_uid)
+        if isolation == "bwrap":
+            ensure_bwrap()  # refuses to start without working isolation
+        self.system_prompt = SYSTEM_PROMPT
+        self.workdir: Path | None = None
+        self._task: ShellTask | None = None
+        self._sandbox: Sandbox | None = None
+        self._steps = 0
+        self._done = True
+
+    async def reset(self, *, task_id: str, seed: int) -> str:
+        await self.close()
+        self._task = load_task(self.tasks_dir / self._task_name(task_id))
+        base = self.base_dir if self.base_dir is not None else default_base_dir()
+        base.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"{self._task.name}-", dir=base))
+        if (self._task.root / "files").is_dir():
+            shutil.copytree(self._task.root / "files", self.workdir, dirs_exist_ok=True,
+                            symlinks=True)
+        _chown_tree(self.workdir, self.uid if self.isolation == "bwrap" else os.geteuid())
+        self._sandbox = Sandbox(self.workdir, limits=self.limits, isolation=self.isolation,
+                                sandbox_uid=self.uid,
+                                hide_paths=(str(base.resolve()), str(self.tasks_dir.resolve())))
+        self._steps, self._done = 0, False
+        return (f"{self._task.instruction}\n\nThe task files are in the current directory. "
+                "Run one command per reply in a ```bash block; reply with a block holding "
+                "only `submit` when done.")
+
+    def _task_name(self, task_id: str) -> str:
+        parts = task_id.split("/")
+        name = parts[1] if len(parts) >= 2 and parts[0] == self.name else parts[0]
+        if name not in self.names:
+            raise UserError(f"shell: unknown task {task_id!r} (task name {name!r}); "
+                            f"tasks in {self.tasks_dir}: {', '.join(self.names)}")
+        return name
+
+    async def step(self, action: str) -> StepResult:
+        if self._done or self._sandbox is None:
+            raise RuntimeError("shell: step() after the episode ended; call reset()")
+        self._steps += 1
+        info: dict[str, Any] = {"step": self._steps, "exit_code": None, "limit": None,
+                                "elapsed_s": 0.0}
+        command = extract_command(action)
+        if command == SUBMIT:
+            return await self._end("submit", "Submitted.", info)
+        if command is None:
+            observation = FORMAT_HELP
+        else:
+            res = await self._sandbox.run(command)
+            info.update(exit_code=res.exit_code, limit=res.limit, elapsed_s=res.elapsed_s)
+            observation = (f"<returncode>{res.exit_code}</returncode>\n"
+                           f"<output>\n{res.output}</output>")
+            if res.limit is not None:
+                observation += f"\nThe command exceeded the {res.limit} limit: the episode ends."
+                return await self._end("limit", observation, info)
+        if self._steps >= self.max_steps:
+            return await self._end("max_steps", observation, info)
+        return StepResult(observation, 0.0, False, info)
+
+    async def _end(self, reason: str, observation: str, info: dict) -> StepResult:
+        self._done = True
+        results, output, limit = await self._run_tests()
+        passed = sum(results.values())
+        info.update(end_reason=reason, tests=results, num_passed=passed,
+                    num_tests=len(results), test_output=output[:TEST_OUTPUT_CHARS],
+                    test_limit=limit)
+        return StepResult(observation, passed / len(results), True, info)
+
+    async def _run_tests(self) -> tuple[dict[str, bool], str, str | None]:
+        assert self._task is not None and self._sandbox is not None and self.workdir
+        dest = self.workdir / TESTS_SUBDIR
+        if dest.is_symlink() or dest.is_file():  # never follow what the agent made
+            dest.unlink()
+        elif dest.exists():
+            _rmtree(dest)
+        shutil.copytree(self._task.root / "tests", dest)
+        shutil.copy2(TASKS_DIR / RUNNER, dest / RUNNER)
+        res = await self._sandbox.run(self._task.test_command)
+        return score(res.output, self._task.tests), res.output, res.limit
+
+    async def close(self) -> None:
+        self._done = True
+        self._sandbox = None
+        if self.workdir is not None and not self.keep_workdir:
+            _rmtree(self.workdir)
+        self.workdir = None
+
+
+def _chown_tree(root: Path, uid: int) -> None:
+    if os.geteuid() != 0 or uid == 0:
+        return
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames]:
+            os.lchown(os.path.join(dirpath, name), uid, uid)
+    os.chown(root, uid, uid)
+
+
+def _rmtree(path: Path) -> None:
+    """Remove a tree the sandbox wrote (it may have made directories unwritable; root
+    needs no help, another user first makes every directory its own rwx again)."""
+    if not os.path.lexists(path):
+        return
+    if os.geteuid() != 0 and not path.is_symlink():
+        os.chmod(path, 0o700)
+        for dirpath, dirnames, _ in os.walk(path):  # top-down: fixed before entered
+            for d in dirnames:
+                p = os.path.join(dirpath, d)
+                if not os.path.islink(p):
+                    os.chmod(p, 0o700)
+    shutil.rmtree(path)
+
+
+def shell_task_ids(params: dict[str, Any]) -> list[str]:
+    """The task names `tasks_for_step` draws from, for the env's parameters."""
+    return task_names(params.get("tasks_dir"))
+
+
+register_env("shell", ShellEnv, task_names=shell_task_ids)

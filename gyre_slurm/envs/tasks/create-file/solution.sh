@@ -1,0 +1,1 @@
+printf 'hello, sandbox\n' > greeting.txt && mkdir -p out && : > out/done

@@ -1,0 +1,244 @@
+"""The `shell` environment: real bash commands in a real bubblewrap sandbox, scored by
+the tasks' own tests. No model: the actions are crafted replies."""
+
+import asyncio
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from gyre_slurm.envs import Environment, make_env, tasks_for_step
+from gyre_slurm.envs.sandbox import Limits, Sandbox, limit_hit, seccomp_program
+from gyre_slurm.envs.shell import FORMAT_HELP, TASKS_DIR, extract_command, score, task_names
+from gyre_slurm.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+TASK = "shell/fix-off-by-one/0"  # unfixed: 2 of its 5 tests pass
+
+
+def reply(command: str) -> str:
+    return f"I will run this.\n```bash\n{command}\n```\nThen check."
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def episode(commands, *, task=TASK, **params):
+    """Reset, run `commands` (stopping when done), close; (results, workdir)."""
+    env = make_env("shell", **params)
+    await env.reset(task_id=task, seed=0)
+    workdir, results = env.workdir, []
+    try:
+        for c in commands:
+            results.append(await env.step(c))
+            if results[-1].done:
+                break
+    finally:
+        await env.close()
+    return results, workdir
+
+
+@pytest.mark.parametrize("name", task_names())
+def test_reference_solution_scores_one_and_untouched_task_less(name):
+    solution = (TASKS_DIR / name / "solution.sh").read_text()
+    (*_, solved), wd1 = run(episode([reply(solution), reply("submit")], task=f"shell/{name}/3"))
+    (*_, untouched), wd2 = run(episode([reply("ls -la"), reply("submit")], task=f"shell/{name}/3"))
+    assert solved.done and solved.reward == 1.0, solved.info["test_output"]
+    assert all(solved.info["tests"].values()) and solved.info["end_reason"] == "submit"
+    assert untouched.done and untouched.reward < 1.0
+    assert not wd1.exists() and not wd2.exists()
+
+
+def test_wrong_fix_scores_partially_and_tests_cannot_be_planted():
+    # a wrong fix, plus fake tests and a fake runner planted where the real ones go
+    plant = ("sed -i 's/range(1, n)/range(0, n)/' rangesum.py && mkdir -p .gyre_tests && "
+             "printf 'print(\"PASS test_small\")\\n' > .gyre_tests/gyre_runner.py")
+    (first, last), _ = run(episode([reply(plant), reply("submit")]))
+    assert first.observation.startswith("<returncode>0</returncode>") and not first.done
+    assert last.reward == pytest.approx(2 / 5) and last.info["num_passed"] == 2
+    assert last.info["tests"] == {"test_small": False, "test_one": False, "test_zero": True,
+                                  "test_negative": True, "test_hundred": False}
+
+
+def test_format_errors_run_nothing_and_max_steps_ends_and_scores():
+    two = reply("echo a") + reply("echo b")
+    steps, _ = run(episode(["no block here", two, reply("echo hi > x")], max_steps=3))
+    assert [s.observation for s in steps[:2]] == [FORMAT_HELP, FORMAT_HELP]
+    assert steps[0].info["exit_code"] is None and not steps[1].done
+    assert steps[2].done and steps[2].info["end_reason"] == "max_steps"
+    assert steps[2].reward == pytest.approx(2 / 5) and steps[2].info["exit_code"] == 0
+
+
+def test_env_protocol_task_ids_and_errors():
+    env = make_env("shell")
+    assert isinstance(env, Environment) and env.name == "shell"
+    tasks = tasks_for_step("shell", step=0, num_prompts=8, seed=0, pool_size=4)
+    assert {t.task_id.split("/")[1] for t in tasks} <= set(task_names())
+    assert all(t.task_id == f"shell/{t.task_id.split('/')[1]}/{t.seed}" for t in tasks)
+    assert tasks == tasks_for_step("shell", step=0, num_prompts=8, seed=0, pool_size=4)
+    with pytest.raises(UserError, match="unknown task"):
+        run(env.reset(task_id="shell/nope/0", seed=0))
+    with pytest.raises(UserError, match="isolation"):
+        make_env("shell", isolation="docker")
+    with pytest.raises(RuntimeError):
+        run(env.step(reply("true")))
+    assert extract_command("```sh\nls\n```") == "ls" and extract_command("``` bash\nls```") is None
+    assert score("PASS a\nPASS b\nFAIL b: x\nPASS zz\n", ("a", "b", "c")) == {
+        "a": True, "b": False, "c": False}
+
+
+@pytest.mark.parametrize("command, params, limit", [
+    ("sleep 600", {"time_s": 1.0}, "time"),
+    ("python3 -c 'x = bytearray(2 * 10**9)'", {"memory_mb": 256}, "memory"),
+    ("yes flood", {"output_bytes": 4096}, "output"),
+    ("head -c 4M /dev/zero > big", {"fsize_mb": 1}, "fsize"),
+    ("python3 -c 'while True: pass'", {"cpu_s": 1, "time_s": 30.0}, "cpu"),
+])
+def test_a_command_over_a_limit_ends_the_episode_with_its_reason(command, params, limit):
+    t0 = time.monotonic()
+    (res,), workdir = run(episode([reply(command)], **params))
+    assert res.done and res.info["end_reason"] == "limit" and res.info["limit"] == limit
+    assert f"exceeded the {limit} limit" in res.observation
+    assert res.reward == pytest.approx(2 / 5)  # scored as it stands
+    assert time.monotonic() - t0 < 20 and not workdir.exists()
+    if limit == "output":
+        assert res.observation.count("flood") <= 4096 // 6 + 1
+
+
+@pytest.fixture
+def host_dir():
+    """A world-writable host directory outside every hidden path: only the read-only
+    mount keeps the sandbox from writing there."""
+    d = Path(tempfile.mkdtemp(prefix=".sandbox-probe-", dir=ROOT))
+    d.chmod(0o777)
+    yield d
+    for p in d.iterdir():
+        p.unlink()
+    d.rmdir()
+
+
+def test_writes_outside_the_workdir_fail_and_leave_no_host_file(host_dir):
+    tag = f"gyre-test-{os.getpid()}"
+    cmds = [f"echo x > /etc/{tag}", f"touch /tmp/../root/{tag}", f"echo x > {host_dir}/{tag}",
+            f"echo x > {host_dir}/../{tag}", f"ln -s /etc {tag}-link && echo x > {tag}-link/{tag}"]
+    # $HOME/.. is a private tmpfs: writable or not, nothing reaches the host's /home
+    hidden = f"find {TASKS_DIR} /tmp -mindepth 1 | wc -l"  # no tests, no solutions in sight
+    results, _ = run(episode([reply(c) for c in cmds] + [reply(f"echo x > $HOME/../{tag}"),
+                                                           reply(hidden), reply("submit")],
+                             max_steps=20))
+    assert results[-2].observation.startswith("<returncode>0</returncode>\n<output>\n0\n")
+    for c, res in zip(cmds, results):
+        assert res.info["exit_code"] not in (0, None), (c, res.observation)
+        assert "Read-only file system" in res.observation or "Permission denied" in \
+            res.observation, (c, res.observation)
+    for path in (f"/etc/{tag}", f"/root/{tag}", f"/home/{tag}", f"{host_dir}/{tag}",
+                 f"{ROOT}/{tag}"):
+        assert not os.path.lexists(path), path
+
+
+def test_no_network_inside():
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(srv.accept()), daemon=True).start()
+    with tempfile.TemporaryDirectory() as d:
+        usock = Path(d, "s")
+        Path(d).chmod(0o755)
+        unix = socket.socket(socket.AF_UNIX)
+        unix.bind(str(usock))
+        unix.listen()
+        usock.chmod(0o777)
+        tcp = (f"python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", {port}), "
+               "timeout=3); print(\"CONNECTED\")'")
+        uds = (f"python3 -c 'import socket; s = socket.socket(socket.AF_UNIX); "
+               f"s.connect(\"{usock}\"); print(\"CONNECTED\")'")
+        results, _ = run(episode([reply(tcp), reply(uds), reply("cat /proc/net/dev"),
+                                  reply("submit")]))
+        unix.close()
+    srv.close()
+    assert "ConnectionRefusedError" in results[0].observation, results[0].observation
+    assert "PermissionError" in results[1].observation, results[1].observation
+    assert "CONNECTED" not in results[0].observation + results[1].observation
+    assert not accepted
+    devices = [ln.split(":")[0].strip() for ln in results[2].observation.splitlines() if ":" in ln]
+    assert devices == ["lo"], results[2].observation
+
+
+def test_close_kills_everything_and_removes_the_workdir():
+    marker = f"gyre-sleeper-{os.getpid()}"
+
+    async def go():
+        env = make_env("shell")
+        await env.reset(task_id=TASK, seed=0)
+        wd = env.workdir
+        res = await env.step(reply(f"(exec -a {marker} sleep 300) & echo started"))
+        assert "started" in res.observation and res.info["exit_code"] == 0
+        await env.reset(task_id=TASK, seed=1)  # a new episode: a new workdir, old one gone
+        assert not wd.exists() and env.workdir.exists()
+        # a step cancelled mid-command (the runtime's run timeout) kills its command
+        step = asyncio.ensure_future(env.step(reply(f"exec -a {marker} sleep 300")))
+        await asyncio.sleep(1.0)
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        wd = env.workdir
+        await env.close()
+        return wd
+
+    wd = run(go())
+    assert not wd.exists()
+    time.sleep(0.2)
+    left = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).startswith(marker)]
+    assert left == []
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_keep_workdir_and_unsafe_isolation_none():
+    async def go():
+        env = make_env("shell", isolation="none", keep_workdir=True)
+        await env.reset(task_id=TASK, seed=0)
+        res = await env.step(reply("pwd; echo ok > note"))
+        wd = env.workdir
+        await env.close()
+        return res, wd
+
+    res, wd = run(go())
+    try:
+        assert str(wd) in res.observation and (wd / "note").read_text() == "ok\n"
+    finally:
+        shutil.rmtree(wd)
+
+
+def test_sandbox_runs_as_an_unprivileged_user_with_a_process_limit(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("the uid drop is what happens as root")
+    sb = Sandbox(tmp_path, limits=Limits(nproc=16, time_s=20.0))
+    os.chown(tmp_path, 65534, 65534)
+    forks = ("import os, time\nn = 0\nfor _ in range(40):\n    try:\n        pid = os.fork()\n"
+             "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(2)\n"
+             "        os._exit(0)\n    n += 1\nprint('forked', n)\n")
+    res = run(sb.run(f"id -u; grep CapEff /proc/self/status; cat /etc/shadow; "
+                     f"python3 -c \"{forks}\""))
+    lines = res.output.splitlines()
+    assert lines[0] == "65534" and lines[1].split()[1] == "0000000000000000", res.output
+    assert "Permission denied" in lines[2], res.output
+    assert lines[3].startswith("forked ") and 5 < int(lines[3].split()[1]) < 16, res.output
+
+
+def test_limit_reasons_and_seccomp_program():
+    assert limit_hit(152, "") == "cpu" and limit_hit(153, "") == "fsize"
+    assert limit_hit(1, "MemoryError\n") == "memory" and limit_hit(0, "MemoryError") is None
+    assert limit_hit(1, "boom") is None
+    assert len(seccomp_program("x86_64")) == 12 * 8 and seccomp_program("riscv64") is None
