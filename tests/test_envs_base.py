@@ -12,7 +12,7 @@ FAST_LONG = {"median_turns": 4, "tool_mean_s": 0.001, "tool_max_s": 0.01,
 
 
 def test_registry_knows_both_and_rejects_unknown():
-    assert {"learnable", "longhorizon"} <= set(env_names())
+    assert {"learnable", "longhorizon", "shell"} <= set(env_names())
     with pytest.raises(UserError, match="unknown environment"):
         make_env("nope")
 
@@ -38,12 +38,15 @@ def test_tasks_for_step_pool():
 
 
 @pytest.mark.parametrize("name, params", [("learnable", {}), ("learnable", {"turns": 2}),
-                                          ("longhorizon", FAST_LONG)])
-def test_conformance(name, params):
+                                          ("longhorizon", FAST_LONG),
+                                          ("shell", {"max_steps": 2, "time_s": 5})])
+def test_conformance(name, params, tmp_path):
+    if "max_steps" in params:
+        params = dict(params, base_dir=str(tmp_path))
     async def go():
         env = make_env(name, **params)
         assert isinstance(env, Environment) and env.name == name
-        task = tasks_for_step(name, step=0, num_prompts=1, seed=0)[0]
+        task = tasks_for_step(name, step=0, num_prompts=1, seed=0, env_params=params)[0]
         first = await env.reset(task_id=task.task_id, seed=task.seed)
         assert isinstance(first, str) and first and isinstance(env.system_prompt, str)
         steps = []

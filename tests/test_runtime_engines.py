@@ -120,3 +120,27 @@ def test_release_stop_stops_servers_and_starts_them_again(tmp_path):
     starts = [line for p in (run_dir / "logs").glob("engine-node*-s0.log")
               for line in p.read_text().splitlines() if "serving" in line.lower()]
     assert len(starts) > 4, starts  # 4 first starts, then restarts after each phase
+
+
+def test_shell_sandbox_runs_through_the_runtime(tmp_path):
+    """`runtime.env: shell`: every run works in its own sandboxed workdir under
+    RUN_DIR/sandboxes (removed when the run ends), is scored by its task's tests, and
+    its calls train like any other run's."""
+    run_dir = tmp_path / "shell"
+    proc = gyre_run(run_dir, *FAST, "runtime.env=shell", "runtime.max_turns=3",
+                    "runtime.max_tokens=24", "runtime.env_params={max_steps: 2, time_s: 5}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    check_run_dir(run_dir, num_steps=3)
+    records = list(read_jsonl(run_dir / "runs" / "runs.jsonl"))
+    assert {r["task_id"].split("/")[0] for r in records} == {"shell"}
+    assert all(0.0 <= r["reward"] <= 1.0 for r in records)
+    assert (run_dir / "sandboxes").is_dir() and not list((run_dir / "sandboxes").iterdir())
+
+
+def test_a_bad_environment_setting_is_refused_before_any_run(tmp_path):
+    run_dir = tmp_path / "badenv"
+    proc = gyre_run(run_dir, *FAST, "runtime.env=shell", "runtime.env_params={isolation: nope}")
+    assert proc.returncode != 0
+    assert "isolation must be one of" in proc.stderr
+    assert not (run_dir / "runs" / "started.jsonl").exists() or \
+        not list(read_jsonl(run_dir / "runs" / "started.jsonl"))

@@ -252,7 +252,7 @@ class RuntimeConfig:
     launcher: Literal["auto", "local", "slurm"] = "auto"  # auto: slurm inside a job
     node_addr_prefix: str = "127.0.10."  # virtual node i binds PREFIX(i+1)
     env: str = "learnable"  # an environment name (gyre_slurm.envs)
-    env_params: dict[str, float] = field(default_factory=dict)
+    env_params: dict[str, float | int | bool | str] = field(default_factory=dict)
     max_turns: int = 2
     context_budget_tokens: int = 1024
     max_tokens: int = 16

@@ -102,6 +102,26 @@ def make_env(name: str, **params: Any) -> Environment:
         raise UserError(f"bad parameters for environment {name!r}: {exc}") from exc
 
 
+def env_params_for_run(name: str, params: dict[str, Any], *, run_dir) -> dict[str, Any]:
+    """The parameters the runtime makes `name` with: `params`, plus
+    `base_dir=RUN_DIR/sandboxes` for an environment whose factory takes a `base_dir`
+    (per-run working directories live on the run's filesystem) unless `params` sets it."""
+    import inspect
+    from pathlib import Path
+
+    _load_builtin()
+    out = dict(params)
+    factory = _REGISTRY.get(name)
+    if factory is not None and "base_dir" not in out:
+        try:
+            takes = "base_dir" in inspect.signature(factory).parameters
+        except (TypeError, ValueError):
+            takes = False
+        if takes:
+            out["base_dir"] = str(Path(run_dir) / "sandboxes")
+    return out
+
+
 def _load_builtin() -> None:
     # Imported here: the built-in environments register themselves on import.
     from gyre_slurm.envs import learnable, longhorizon, shell  # noqa: F401

@@ -33,6 +33,15 @@ class RolloutManager:
         self.started_at: dict[str, float] = {}
         self._buffer = None
         self._tasks_cache: dict[int, list] = {}
+        from gyre_slurm.envs import make_env
+        from gyre_slurm.envs.base import env_params_for_run
+
+        self.env_params = env_params_for_run(cfg.runtime.env, cfg.runtime.env_params,
+                                             run_dir=rd.path)
+        # Made once now (and dropped: nothing was reset, so nothing to clean): a bad
+        # environment setting (an unknown parameter, a sandbox that cannot isolate
+        # here) is refused before any run starts.
+        make_env(cfg.runtime.env, **self.env_params)
 
     @property
     def started_file(self) -> Path:
@@ -63,7 +72,7 @@ class RolloutManager:
         if step not in self._tasks_cache:
             self._tasks_cache[step] = tasks_for_step(
                 self.cfg.runtime.env, step=step, num_prompts=self.cfg.workload.prompts_per_step,
-                seed=self.cfg.sim.seed)
+                seed=self.cfg.sim.seed, env_params=self.env_params)
         return self._tasks_cache[step][prompt]
 
     async def _run(self, entry) -> None:
@@ -71,7 +80,7 @@ class RolloutManager:
         from gyre_slurm.envs import make_env
 
         rt = self.cfg.runtime
-        env = make_env(rt.env, **rt.env_params)
+        env = make_env(rt.env, **self.env_params)
         task = self._task_spec(entry.step, entry.prompt)
         base_url = f"{self.gateway_url}/runs/{entry.run_id}/v1"
         try:
