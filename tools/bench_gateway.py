@@ -374,6 +374,9 @@ async def bench(args, tmp: Path, model_dir: Path, ports: list[int]) -> dict:
                     "messages": [{"role": "user", "content": "hi"}], "seed": -1 - i}) as r:
                 assert r.status == 200, await r.text()
         gw.end_run("warm")
+        if args.gc_freeze:
+            gc.collect()
+            gc.freeze()  # startup objects (torch, transformers, the tokenizer) leave the GC's scans
         out["rss_before_mib"] = rss_mib()
         t0 = time.monotonic()
         deadline = t0 + args.seconds
@@ -428,6 +431,7 @@ def report(args, out: dict, run_dir: Path) -> dict:
     latency = [st.latency_s[s] * 1e3 for s in paired]
     moved = sum(n for (a, _), n in st.migrations.items() if a == "s0")
     res = {
+        "client_procs": args.client_procs, "gc_freeze": args.gc_freeze,
         "runs": args.runs, "calls_per_run": args.calls_per_run, "tool_mean_s": args.tool_mean_s,
         "servers": args.servers, "seconds": args.seconds, "elapsed_s": round(out["elapsed_s"], 1),
         "calls_ok": st.calls_ok, "runs_done": st.runs_done,
@@ -461,7 +465,8 @@ def report(args, out: dict, run_dir: Path) -> dict:
 def print_report(res: dict) -> None:
     def ms(d):
         return "  ".join(f"{k} {v:.2f}" for k, v in d.items())
-    print(f"{res['runs']} runs x {res['calls_per_run']} calls, tool mean {res['tool_mean_s']} s,"
+    print(f"client procs {res['client_procs']}, gc.freeze {res['gc_freeze']}: "
+          f"{res['runs']} runs x {res['calls_per_run']} calls, tool mean {res['tool_mean_s']} s,"
           f" {res['servers']} servers, {res['elapsed_s']} s")
     print(f"  calls ok {res['calls_ok']} ({res['calls_per_s']}/s), runs done {res['runs_done']}")
     print(f"  overhead (client latency - engine) ms: {ms(res['overhead_ms'])}")
@@ -501,6 +506,8 @@ def main(argv=None) -> int:
                    help="run the agent runs in this many other processes (pinned with the "
                         "stand-in), so that this process holds only the gateway; 0: in this "
                         "process, as the coordinator runs its built-in agent loop")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="gc.freeze() once the gateway is warm (a proposed coordinator change)")
     p.add_argument("--profile", help="cProfile the gateway process into this file")
     p.add_argument("--json", help="write the figures here too")
     p.add_argument("--no-pin", dest="pin", action="store_false",
