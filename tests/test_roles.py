@@ -17,7 +17,7 @@ def test_unset_python_is_gyres_own_and_a_path_must_exist():
 
 
 def test_an_unknown_role_env_says_which_roles_exist():
-    with pytest.raises(UserError, match=r"(?s)tools/role-env nosuch failed.*roles: megatron vllm"):
+    with pytest.raises(UserError, match=r"(?s)tools/role-env nosuch failed.*roles: megatron minisweagent vllm"):
         roles.resolve_python("env:nosuch", section="trainer")
 
 
