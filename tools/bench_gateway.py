@@ -374,9 +374,10 @@ async def bench(args, tmp: Path, model_dir: Path, ports: list[int]) -> dict:
                     "messages": [{"role": "user", "content": "hi"}], "seed": -1 - i}) as r:
                 assert r.status == 200, await r.text()
         gw.end_run("warm")
-        if args.gc_freeze:
-            gc.collect()
-            gc.freeze()  # startup objects (torch, transformers, the tokenizer) leave the GC's scans
+        if args.gc_freeze:  # as the coordinator does once its services are up
+            from gyre_slurm.runtime.gcpolicy import freeze_startup_heap
+
+            freeze_startup_heap()
         out["rss_before_mib"] = rss_mib()
         t0 = time.monotonic()
         deadline = t0 + args.seconds
@@ -506,8 +507,9 @@ def main(argv=None) -> int:
                    help="run the agent runs in this many other processes (pinned with the "
                         "stand-in), so that this process holds only the gateway; 0: in this "
                         "process, as the coordinator runs its built-in agent loop")
-    p.add_argument("--gc-freeze", action="store_true",
-                   help="gc.freeze() once the gateway is warm (a proposed coordinator change)")
+    p.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                   help="skip the coordinator's gc.freeze() of its startup heap "
+                        "(gyre_slurm.runtime.gcpolicy), to see what it buys")
     p.add_argument("--profile", help="cProfile the gateway process into this file")
     p.add_argument("--json", help="write the figures here too")
     p.add_argument("--no-pin", dest="pin", action="store_false",

@@ -172,6 +172,9 @@ class Coordinator:
         # a missing one is refused before any process starts.
         await asyncio.to_thread(resolve_roles, self.cfg, self.rd.path)
         await self.start_services()
+        from gyre_slurm.runtime.gcpolicy import freeze_startup_heap
+
+        freeze_startup_heap()  # torch, transformers, the tokenizer: out of the GC's scans
         self.launcher.start(self.control_url)
         try:
             await asyncio.wait_for(self.registered.wait(), timeout=120)
