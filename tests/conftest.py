@@ -50,3 +50,8 @@ def vllm_python():
 @pytest.fixture(scope="session")
 def megatron_python():
     return _role_python("megatron")
+
+
+@pytest.fixture(scope="session")
+def minisweagent_python():
+    return _role_python("minisweagent")

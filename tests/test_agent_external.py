@@ -3,7 +3,6 @@ against the gateway in this process, in front of a real embedded engine process;
 calls become a run in the call store, then a prefix tree and trajectories."""
 
 import asyncio
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +12,8 @@ from gyre_slurm.agents.external import (
     mini_swe_agent_command, mini_swe_agent_summary, run_base_url, run_external_agent,
     run_external_agent_async,
 )
-from gyre_slurm.engines import EngineClient, start_engine, write_secret
+from engine_helpers import tiny_engines
+from gyre_slurm.engines import EngineClient
 from gyre_slurm.gateway import Gateway
 from gyre_slurm.models import tiny
 from gyre_slurm.traj.delta import decode_run
@@ -27,29 +27,11 @@ STEP_LIMIT = 3
 
 
 @pytest.fixture(scope="module")
-def minisweagent_python():
-    """The minisweagent role environment (tools/role-env builds it on first use)."""
-    proc = subprocess.run([str(ROOT / "tools" / "role-env"), "minisweagent"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, f"tools/role-env minisweagent failed:\n{proc.stderr[-3000:]}"
-    return proc.stdout.strip().splitlines()[-1]
-
-
-@pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("ext-engine")
     # mini-swe-agent's prompts are long (its instructions, then a format-error message per
     # call) and the tiny tokenizer splits unfamiliar text finely: room for ~3 calls.
-    model_dir = tiny.make_model_dir(run_dir / "model", max_positions=8192)
-    tiny.save_weights(tiny.new_model(model_dir, seed=0), tiny.weights_dir(run_dir, 0))
-    secret = write_secret(run_dir / "engine.secret")
-    proc = start_engine(model_dir=model_dir, host=HOST, weights_dir=tiny.weights_dir(run_dir, 0),
-                        version=0, secret_file=run_dir / "engine.secret",
-                        log_path=run_dir / "engine.log", ready_timeout_s=60)
-    try:
-        yield {"url": proc.base_url, "secret": secret, "model_dir": model_dir}
-    finally:
-        proc.stop(timeout_s=10)
+    with tiny_engines(tmp_path_factory.mktemp("ext-engine"), max_positions=8192) as e:
+        yield dict(e, url=e["urls"][0])
 
 
 def with_gateway(engine, run_dir, fn):

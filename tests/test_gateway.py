@@ -5,11 +5,12 @@ import asyncio
 import aiohttp
 import pytest
 
-from gyre_slurm.engines import EngineClient, start_engine, write_secret
+from gyre_slurm.engines import EngineClient
 from gyre_slurm.gateway import Gateway
 from gyre_slurm.models import tiny
 from gyre_slurm.traj.delta import decode_run
 from gyre_slurm.traj.store import CallStoreWriter, load_store
+from engine_helpers import tiny_engines
 
 HOST = "127.0.0.1"
 KEY = "test-key"
@@ -19,21 +20,8 @@ HELLO = [{"role": "system", "content": "you are a test"}, {"role": "user", "cont
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("gw-engines")
-    model_dir = tiny.make_model_dir(run_dir / "model", max_positions=512)
-    tiny.save_weights(tiny.new_model(model_dir, seed=0), tiny.weights_dir(run_dir, 0))
-    secret = write_secret(run_dir / "engine.secret")
-    procs = []
-    try:
-        for i in range(2):
-            procs.append(start_engine(
-                model_dir=model_dir, host=HOST, weights_dir=tiny.weights_dir(run_dir, 0),
-                version=0, secret_file=run_dir / "engine.secret",
-                log_path=run_dir / f"engine{i}.log", ready_timeout_s=60))
-        yield {"urls": [p.base_url for p in procs], "secret": secret, "model_dir": model_dir}
-    finally:
-        for p in procs:
-            p.stop(timeout_s=10)
+    with tiny_engines(tmp_path_factory.mktemp("gw-engines"), count=2) as e:
+        yield e
 
 
 def run_gateway(engines, run_dir, fn, *, servers=("s0", "s1"), wait_s=10.0, timeout_s=40):

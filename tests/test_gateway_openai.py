@@ -6,9 +6,10 @@ import json
 
 import openai
 import pytest
+from engine_helpers import tiny_engines
 from test_gateway import HELLO, HOST, KEY, records, run_gateway
 
-from gyre_slurm.engines import EngineClient, start_engine, write_secret
+from gyre_slurm.engines import EngineClient
 from gyre_slurm.models import tiny
 from gyre_slurm.traj.process import process_run
 from gyre_slurm.traj.store import load_store
@@ -31,17 +32,8 @@ def gyre(obj):
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """One engine process; 2048 positions (the tools block is long in a 512-token vocab)."""
-    run_dir = tmp_path_factory.mktemp("gw-oai")
-    model_dir = tiny.make_model_dir(run_dir / "model", max_positions=2048)
-    tiny.save_weights(tiny.new_model(model_dir, seed=0), tiny.weights_dir(run_dir, 0))
-    secret = write_secret(run_dir / "engine.secret")
-    proc = start_engine(model_dir=model_dir, host=HOST, weights_dir=tiny.weights_dir(run_dir, 0),
-                        version=0, secret_file=run_dir / "engine.secret",
-                        log_path=run_dir / "engine.log", ready_timeout_s=60)
-    try:
-        yield {"urls": [proc.base_url], "secret": secret, "model_dir": model_dir}
-    finally:
-        proc.stop(timeout_s=10)
+    with tiny_engines(tmp_path_factory.mktemp("gw-oai"), max_positions=2048) as e:
+        yield e
 
 
 @pytest.fixture(scope="module")
