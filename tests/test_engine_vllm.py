@@ -200,17 +200,23 @@ def test_errors_and_auth(server, run):
                 models_status = r.status
             async with anon.get(server.base_url + "/weight_info") as r:
                 dev_status = r.status
+            async with anon.post(server.base_url + "/collective_rpc",
+                                 json={"method": "reload_weights"}) as r:
+                rpc_status = r.status
+            async with anon.get(server.base_url + "/health") as r:
+                health_status = r.status
         async with VllmClient(server.base_url, "wrong") as wrong:
             with pytest.raises(EngineError) as unauthorized:
                 await wrong.generate(PROMPT, max_tokens=2)
-        return bad_token.value, no_weights.value, models_status, dev_status, \
-            unauthorized.value, await c.health()
+        return bad_token.value, no_weights.value, models_status, \
+            (dev_status, rpc_status, health_status), unauthorized.value, await c.health()
     bad_token, no_weights, models_status, dev_status, unauthorized, health = \
         call(server, run, go)
     assert bad_token.status == 400 and "vocabulary" in str(bad_token)
     assert no_weights.status == 400
     assert models_status == 401 and unauthorized.status == 401
-    assert dev_status == 200  # the known gap: --api-key leaves the dev routes open
+    # vLLM's --api-key leaves the dev routes open; gyre's guard closes every route
+    assert dev_status == (401, 401, 401)
     assert health["status"] == "ok"
 
 

@@ -49,14 +49,13 @@ temperature. T=0 (greedy) reports T=1 values in both modes. Prompt log-probabili
 (`prompt_logprobs`) are always unprocessed (T=1), which is what the trainer recomputes.
 A stop token ends the output and is part of it (with its log-probability).
 
-SECURITY GAP (vLLM 0.32): `--api-key` (here the VLLM_API_KEY variable, so that the
-secret is not on the command line) guards only paths under /v1, /v2, /inference and
-/cohere. The dev-mode routes this adapter needs (/collective_rpc, /pause, /resume,
-/sleep, /wake_up, /update_weight_version, /reset_prefix_cache, /server_info, ...) and
-/health, /load, /metrics answer anyone who can reach the port, and /collective_rpc calls
-any worker method. The client sends the bearer header everywhere anyway; the engine binds
-to one node address only. Fencing the dev routes (a middleware or a proxy in front)
-is future work.
+Security: vLLM 0.32's `--api-key` (here the VLLM_API_KEY variable, so that the secret
+is not on the command line) guards only paths under /v1, /v2, /inference and /cohere;
+the dev-mode routes this adapter needs (/collective_rpc, /pause, /resume, /sleep,
+/wake_up, /update_weight_version, ...) and /health, /load, /metrics would answer anyone
+who reaches the port, and /collective_rpc calls any worker method. So the server also
+runs gyre's own middleware (`--middleware gyre_slurm.engines.vllm_guard.GuardAll`):
+every route needs the bearer secret. The client sends it everywhere.
 
 Not handled: two clients reloading the same engine at once (the node agent is the one
 caller of load/release/resume); sleep mode is untested here (no GPU).
@@ -83,6 +82,7 @@ import aiohttp
 
 from gyre_slurm.engines.client import EngineClient, EngineError
 from gyre_slurm.engines.embedded import check_loopback, read_secret
+from gyre_slurm.engines.launcher import PACKAGE_ROOT
 from gyre_slurm.errors import UserError
 from gyre_slurm.models import tiny
 
@@ -288,7 +288,8 @@ def vllm_command(*, python: str, serve_dir: str | Path, host: str, port: int,
            "--port", str(port), "--served-model-name", model_name,
            "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs",
            "--enable-scale-out", "--enable-server-load-tracking",
-           "--generation-config", "vllm", "--disable-uvicorn-access-log"]
+           "--generation-config", "vllm", "--disable-uvicorn-access-log",
+           "--middleware", "gyre_slurm.engines.vllm_guard.GuardAll"]
     if tensor_parallel > 1:
         cmd += ["--tensor-parallel-size", str(tensor_parallel)]
     if device == "cpu":
@@ -303,6 +304,9 @@ def vllm_env(*, secret: str, device: str, kv_cache_gb: float, num_threads: int
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_SERVER_DEV_MODE="1",
                VLLM_API_KEY=secret, OMP_NUM_THREADS=str(num_threads),
                PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    # vLLM imports gyre's guard (every route needs the secret) from this checkout
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p)
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gb:g}"
     return env
