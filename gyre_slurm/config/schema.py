@@ -382,6 +382,14 @@ class GyreConfig:
                               f"cluster.gpus_per_node = {gpus} (servers run inside a node)")
 
     @property
+    def release_mode(self) -> str:
+        """How a rollout server frees its node at a handoff to training: `rollout.release`,
+        with auto = sleep on GPUs, pause on CPU (vLLM has no sleep mode there)."""
+        if self.rollout.release != "auto":
+            return self.rollout.release
+        return "sleep" if self.cluster.gpus_per_node else "pause"
+
+    @property
     def servers_per_node(self) -> int:
         """Rollout servers on each node of a rollout cell."""
         gpus, tp = self.cluster.gpus_per_node, self.rollout.tensor_parallel

@@ -48,6 +48,7 @@ class NodeAgent:
         self.engines: list = []  # (engine process, client) of this node's servers
         self.worker = None  # gyre_slurm.train.worker.TrainerWorker, made on first use
         self.ranks = None  # runtime.ranks.RankProcesses, when ranks are processes
+        self._ranks_started: asyncio.Task | None = None  # their one start, awaited by all
         self.trainer_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         self.stopping = asyncio.Event()
         self.last_contact = time.monotonic()
@@ -117,12 +118,6 @@ class NodeAgent:
     # A rollout cell runs `servers_per_node` servers on each of its nodes (one per
     # `rollout.tensor_parallel` GPUs; one on CPU). They are kept across handoffs and
     # released (sleep on GPUs, pause on CPU, or stopped with `rollout.release: stop`).
-    def _release_mode(self) -> str:
-        mode = self.cfg.rollout.release
-        if mode == "auto":
-            return "sleep" if self.cfg.cluster.gpus_per_node else "pause"
-        return mode
-
     def _engine_gpus(self, k: int) -> str | None:
         gpus = self.cfg.cluster.gpus_per_node
         if not gpus:
@@ -164,7 +159,7 @@ class NodeAgent:
         from gyre_slurm.engines import make_client
 
         return make_client(self.cfg.rollout.engine, proc.base_url, self.secret,
-                           release_mode=self._release_mode())
+                           release_mode=self.cfg.release_mode)
 
     async def cmd_start_engine(self, *, version: int) -> dict:
         t0 = time.monotonic()
@@ -181,17 +176,11 @@ class NodeAgent:
 
     async def cmd_release_engine(self) -> dict:
         t0 = time.monotonic()
-        if self._release_mode() == "stop":
+        if self.cfg.release_mode == "stop":
             await self.shutdown_engine()
         else:
             await asyncio.gather(*(client.release() for _, client in self.engines))
         return {"engine_release_s": time.monotonic() - t0}
-
-    async def cmd_load_weights(self, *, version: int) -> dict:
-        t0 = time.monotonic()
-        path = str(weights_dir(self.rd.path, version))
-        await asyncio.gather(*(client.load_weights(path, version) for _, client in self.engines))
-        return {"weight_load_s": time.monotonic() - t0}
 
     async def shutdown_engine(self) -> None:
         engines, self.engines = self.engines, []
@@ -220,28 +209,38 @@ class NodeAgent:
         return self.worker
 
     async def _rank_processes(self):
-        if self.ranks is None:
-            from gyre_slurm.runtime.ranks import RankProcesses, rank_envs
-            from gyre_slurm.runtime.roles import PACKAGE_ROOT, command_prefix
-
-            tr, rt, n = self.cfg.trainer, self.cfg.runtime, self.cfg.ranks_per_node
-            role = self.roles["trainer"]
-            base = command_prefix(role, run_dir=self.rd.path) + [
-                role["python"], "-m", "gyre_slurm.train.rankproc", "--backend", tr.backend,
-                "--model-dir", str(self.rd.model_dir), "--node-index", str(self.node_index),
-                "--lr", str(rt.lr), "--seed", str(self.cfg.sim.seed),
-                "--grad-clip", str(tr.grad_clip), "--tp", str(tr.tensor_parallel),
-                "--pp", str(tr.pipeline_parallel)]
-            envs = rank_envs(n, gpus=self.cfg.cluster.gpus_per_node)
-            for env in envs:
-                env["PYTHONPATH"] = os.pathsep.join(
-                    p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p)
-            self.ranks = RankProcesses(
-                commands=[base + ["--local-rank", str(i)] for i in range(n)], envs=envs,
-                log_paths=[self.rd.log(f"trainer-node{self.node_index}-r{i}")
-                           for i in range(n)])
-            await self.ranks.start()
+        """The node's rank processes, started once (every caller awaits the same start:
+        the warm-up at registration and the first command may race)."""
+        if self._ranks_started is None:
+            self._ranks_started = asyncio.ensure_future(self._start_ranks())
+        await asyncio.shield(self._ranks_started)
         return self.ranks
+
+    async def _start_ranks(self) -> None:
+        from gyre_slurm.runtime.ranks import RankProcesses, rank_envs
+        from gyre_slurm.runtime.roles import PACKAGE_ROOT, command_prefix
+
+        tr, rt, n = self.cfg.trainer, self.cfg.runtime, self.cfg.ranks_per_node
+        role = self.roles["trainer"]
+        base = command_prefix(role, run_dir=self.rd.path) + [
+            role["python"], "-m", "gyre_slurm.train.rankproc", "--backend", tr.backend,
+            "--model-dir", str(self.rd.model_dir), "--node-index", str(self.node_index),
+            "--lr", str(rt.lr), "--seed", str(self.cfg.sim.seed),
+            "--grad-clip", str(tr.grad_clip), "--tp", str(tr.tensor_parallel),
+            "--pp", str(tr.pipeline_parallel)]
+        envs = rank_envs(n, gpus=self.cfg.cluster.gpus_per_node)
+        for env in envs:
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p)
+        ranks = RankProcesses(
+            commands=[base + ["--local-rank", str(i)] for i in range(n)], envs=envs,
+            log_paths=[self.rd.log(f"trainer-node{self.node_index}-r{i}") for i in range(n)])
+        try:
+            await ranks.start()
+        except BaseException:
+            await ranks.stop(timeout_s=5.0)
+            raise
+        self.ranks = ranks
 
     async def _train(self, method: str, args: list[dict] | dict) -> list[dict]:
         """Run a trainer method on every local rank; their answers in rank order."""

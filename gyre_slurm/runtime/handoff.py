@@ -64,13 +64,11 @@ async def bring_up_engine(coord, cell: int) -> float:
                                                           {"version": version})
                                      for n in nodes))
     clients = {}
-    mode = coord.cfg.rollout.release
-    if mode == "auto":
-        mode = "sleep" if coord.cfg.cluster.gpus_per_node else "pause"
     for node, res in zip(nodes, results):
         for k, url in enumerate(res["base_urls"]):
             clients[f"cell{cell}-n{node}-s{k}"] = make_client(
-                res.get("engine_kind", "embedded"), url, coord.rd.secret(), release_mode=mode)
+                res.get("engine_kind", "embedded"), url, coord.rd.secret(),
+                release_mode=coord.cfg.release_mode)
     while coord.book.version != version:  # a step finished meanwhile: catch up
         version = coord.book.version
         path = str(tiny.weights_dir(coord.rd.path, version))
