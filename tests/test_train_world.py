@@ -10,6 +10,8 @@ import pytest
 from gyre_slurm.models.tiny import make_model_dir, load_weights, new_model
 from gyre_slurm.train.dist import WorldSpec, host_store
 from gyre_slurm.train.harness import WorkerProcesses
+import batch_helpers
+from batch_helpers import n_tokens
 
 HOST = "127.0.0.1"
 VOCAB = 300
@@ -36,21 +38,7 @@ def workers(model_dir):
 
 
 def micro_batch(seed, n=8):
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        length = int(rng.integers(6, 14))
-        mask = [0] * 3 + [int(x) for x in rng.random(length - 3) < 0.8]
-        out.append({"run_id": f"s{seed}-{i}", "token_ids": rng.integers(0, VOCAB, length).tolist(),
-                    "loss_mask": mask,
-                    "logprobs": [float(-np.log(VOCAB) + rng.normal(scale=0.3)) if m else 0.0
-                                 for m in mask],
-                    "advantage": float(rng.normal())})
-    return out
-
-
-def n_tokens(*mbs):
-    return sum(sum(t["loss_mask"]) for mb in mbs for t in mb)
+    return batch_helpers.micro_batch(seed, n, VOCAB)
 
 
 class Cluster:
