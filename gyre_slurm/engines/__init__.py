@@ -43,7 +43,7 @@ def make_client(kind: str, base_url: str, secret: str, *, release_mode: str = "p
     """The client of an engine of `kind` ("embedded" or "vllm"): one interface. Both
     engines know their own policy version (vLLM through its weight-version label)."""
     if kind == "vllm":
-        from gyre_slurm.engines.vllm import VllmClient
+        from gyre_slurm.engines.vllm_client import VllmClient
 
         return VllmClient(base_url, secret, sleep_mode=release_mode == "sleep")
     if kind != "embedded":
