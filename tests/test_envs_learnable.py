@@ -1,6 +1,7 @@
 """The `learnable` environment: rewards for known actions, task determinism, turns."""
 
 import asyncio
+import math
 
 import pytest
 
@@ -70,3 +71,22 @@ def test_task_digits_deterministic_distinct_sorted(num_digits):
 def test_bad_params_are_user_errors(params):
     with pytest.raises(UserError):
         make_env("learnable", **params)
+
+
+def test_tool_times_replay_for_a_run_seed():
+    """The same run seed draws the same tool times (a run waits the same in every
+    layout); run_seed_of ignores the attempt suffix and differs between runs."""
+    from gyre_slurm.envs.base import run_seed_of
+
+    def draws(run_seed):
+        env = make_env("learnable", tool_mean_s=1e-4, tool_sigma=1.0, tool_max_s=1.0)
+        asyncio.run(env.reset(task_id="learnable/1", seed=1, run_seed=run_seed))
+        mu = math.log(env.tool_mean_s) - env.tool_sigma ** 2 / 2
+        return [env._rng.lognormvariate(mu, env.tool_sigma) for _ in range(3)]
+
+    a = run_seed_of(0, "s0003-p001-g02")
+    assert a == run_seed_of(0, "s0003-p001-g02-a1")
+    assert len({a, run_seed_of(0, "s0003-p001-g03"), run_seed_of(1, "s0003-p001-g02")}) == 3
+    assert draws(a) == draws(a)
+    assert draws(a) != draws(run_seed_of(0, "s0003-p001-g03"))
+    assert draws(None) != draws(None)

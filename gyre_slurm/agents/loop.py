@@ -120,7 +120,10 @@ async def _episode(session, *, env: Environment, task: TaskSpec, url: str, api_k
                    params: dict, state: _State) -> tuple[str, float]:
     """Drive the env to the end: ("ok"|"timeout", reward). Raises on failure."""
     system = getattr(env, "system_prompt", DEFAULT_SYSTEM_PROMPT)
-    first = await env.reset(task_id=task.task_id, seed=task.seed)
+    if params.get("run_seed") is None:
+        first = await env.reset(task_id=task.task_id, seed=task.seed)
+    else:
+        first = await env.reset(task_id=task.task_id, seed=task.seed, run_seed=params["run_seed"])
     messages = [{"role": "system", "content": system}, {"role": "user", "content": first}]
     budget = params["context_budget_tokens"]
     while state.num_calls < params["max_turns"]:
@@ -145,12 +148,13 @@ async def run_agent(*, base_url: str, api_key: str, env: Environment, task: Task
                     run_id: str, max_turns: int, context_budget_tokens: int,
                     max_tokens: int = 16, temperature: float = 1.0,
                     session: aiohttp.ClientSession | None = None,
-                    call_timeout_s: float = 120.0, model: str = "policy") -> RunResult:
+                    call_timeout_s: float = 120.0, model: str = "policy",
+                    run_seed: int | None = None) -> RunResult:
     """Run `task` in `env` with the model behind `base_url`; see the module docstring."""
     t_start = time.time()
     params = {"max_turns": max_turns, "context_budget_tokens": context_budget_tokens,
               "max_tokens": max_tokens, "temperature": temperature,
-              "call_timeout_s": call_timeout_s, "model": model}
+              "call_timeout_s": call_timeout_s, "model": model, "run_seed": run_seed}
     url = base_url.rstrip("/") + "/chat/completions"
     state, error, status, reward = _State(), None, "failed", 0.0
     own = session is None

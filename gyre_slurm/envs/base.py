@@ -3,10 +3,14 @@
 Protocol (async, because a tool call takes wall time):
 
     env = make_env("learnable", **params)          # any registered name
-    first = await env.reset(task_id=..., seed=...)  # the first observation: the instruction
+    first = await env.reset(task_id=..., seed=..., run_seed=...)  # the first observation
     res = await env.step(action)                    # StepResult(observation, reward, done, info)
     ...                                             # until res.done
     await env.close()
+
+`run_seed` (optional, None = unseeded) seeds what an env draws that is not part of the
+task (tool latency, noise), so that a workload replays exactly: the runtime passes
+`run_seed_of(config seed, run id)` (the same for a run in every layout and attempt).
 
 `env.system_prompt` (a string, set by `reset` for the task) is the system message an
 agent puts first. `step` after `done` raises `RuntimeError`. The reward of a step is
@@ -64,7 +68,7 @@ class Environment(Protocol):
     name: str
     system_prompt: str
 
-    async def reset(self, *, task_id: str, seed: int) -> str: ...
+    async def reset(self, *, task_id: str, seed: int, run_seed: int | None = None) -> str: ...
 
     async def step(self, action: str) -> StepResult: ...
 
@@ -156,3 +160,11 @@ def tasks_for_step(env_name: str, *, step: int, num_prompts: int, seed: int,
         prefix = env_name if names is None else f"{env_name}/{names[task_seed % len(names)]}"
         out.append(TaskSpec(task_id=f"{prefix}/{task_seed}", seed=task_seed))
     return out
+
+
+def run_seed_of(seed: int, run_id: str) -> int:
+    """A run's seed for its env's own randomness: a pure function of the config seed and
+    the run id without its attempt suffix (blake2b, not Python's salted `hash`)."""
+    base = run_id.split("-a")[0]
+    digest = hashlib.blake2b(f"run/{seed}/{base}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF

@@ -8,7 +8,9 @@ score is the fraction of its non-whitespace characters that are among those digi
 Again: use only the digits 3 5 7." and the run's reward is the mean of the two
 scores. The reward is paid on the last step (earlier steps pay 0.0), in [0, 1]. With
 `tool_mean_s > 0` each step first waits a log-normal "tool" time (heavy-tailed, capped
-at `tool_max_s`), so a batch's runs end at very different times, as long tasks do.
+at `tool_max_s`), so a batch's runs end at very different times, as long tasks do;
+the draws follow `reset(run_seed=)` when given (the runtime gives one per run), so the
+same run waits the same in every layout.
 
 Why it is learnable: the tiny model's 512-token vocabulary holds 159 number tokens
 (" 1" .. " 99", digit pairs), so a random policy already emits the allowed digits
@@ -67,7 +69,7 @@ class LearnableEnv:
         if tool_mean_s < 0 or tool_sigma < 0 or tool_max_s <= 0:
             raise UserError("learnable: tool_mean_s and tool_sigma must be >= 0, tool_max_s > 0")
         self.tool_mean_s, self.tool_sigma, self.tool_max_s = tool_mean_s, tool_sigma, tool_max_s
-        self._rng = random.Random()  # tool latency: wall time is not reproducible anyway
+        self._rng = random.Random()  # tool latency; `reset(run_seed=)` makes it replayable
         if not 1 <= num_digits <= 10:
             raise UserError("learnable: num_digits must be in 1..10")
         if turns not in (1, 2):
@@ -79,8 +81,10 @@ class LearnableEnv:
         self._scores: list[float] = []
         self._done = True
 
-    async def reset(self, *, task_id: str, seed: int) -> str:
+    async def reset(self, *, task_id: str, seed: int, run_seed: int | None = None) -> str:
         self._digits = task_digits(seed, self.num_digits)
+        # The tool times replay exactly for a run seed (the same run in every layout).
+        self._rng = random.Random(run_seed) if run_seed is not None else random.Random()
         self._scores = []
         self._done = False
         return instruction(self._digits)

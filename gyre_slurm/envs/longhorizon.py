@@ -88,7 +88,7 @@ class LongHorizonEnv:
         body = " ".join(rng.choice(WORDS) for _ in range(n))
         return f"turn {turn + 1}/{self.num_turns} key: {self.key(seed, turn)}\n{body}"
 
-    async def reset(self, *, task_id: str, seed: int) -> str:
+    async def reset(self, *, task_id: str, seed: int, run_seed: int | None = None) -> str:
         self._task_id, self._seed = task_id, seed
         self.num_turns = self.draw_num_turns(seed)
         self._turn, self._hits, self._done = 0, 0, False

@@ -182,7 +182,7 @@ class ShellEnv:
         self._steps = 0
         self._done = True
 
-    async def reset(self, *, task_id: str, seed: int) -> str:
+    async def reset(self, *, task_id: str, seed: int, run_seed: int | None = None) -> str:
         await self.close()
         self._task = load_task(self.tasks_dir / self._task_name(task_id))
         base = self.base_dir if self.base_dir is not None else default_base_dir()

@@ -78,6 +78,7 @@ class RolloutManager:
     async def _run(self, entry) -> None:
         from gyre_slurm.agents.loop import run_agent
         from gyre_slurm.envs import make_env
+        from gyre_slurm.envs.base import run_seed_of
 
         rt = self.cfg.runtime
         env = make_env(rt.env, **self.env_params)
@@ -88,7 +89,8 @@ class RolloutManager:
                 base_url=base_url, api_key=self.api_key, env=env, task=task,
                 run_id=entry.run_id, max_turns=rt.max_turns,
                 context_budget_tokens=rt.context_budget_tokens, max_tokens=rt.max_tokens,
-                temperature=rt.temperature), timeout=rt.run_timeout_s)
+                temperature=rt.temperature,
+                run_seed=run_seed_of(self.cfg.sim.seed, entry.run_id)), timeout=rt.run_timeout_s)
             record = result.to_record()
         except asyncio.TimeoutError:
             record = {"run_id": entry.run_id, "task_id": task.task_id, "reward": 0.0,
