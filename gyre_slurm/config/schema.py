@@ -99,6 +99,7 @@ class WorkloadConfig:
     group_size: int = 4  # runs per prompt (the GRPO group)
     duration: DurationConfig = field(default_factory=DurationConfig)
     tokens_mean: float = 20_000.0  # trained tokens of a run of mean duration
+    tokens_follow_duration: bool = True  # False: every run trains tokens_mean tokens
     tokens_max: float = 1_000_000.0  # a run's context limit
     llm_time_fraction: float = 0.5  # share of a run's time spent waiting on the model
 
@@ -170,9 +171,16 @@ class TrainerConfig:
     # own Python and no container runs inside the node agent; otherwise ranks are
     # processes of their own.
     grad_clip: float = 1.0
+    # Benchmarks on machines whose virtual nodes share CPU cores (the local cluster):
+    # hold each micro-batch until it has taken tokens / (nodes x this) seconds, the pace
+    # of nodes that each bring their own accelerators. The real training still runs;
+    # None (default): no holding.
+    pace_node_tokens_per_s: float | None = None
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel", self.tensor_parallel)
+        if self.pace_node_tokens_per_s is not None:
+            _positive("pace_node_tokens_per_s", self.pace_node_tokens_per_s)
         _positive("pipeline_parallel", self.pipeline_parallel)
         _positive("grad_clip", self.grad_clip)
         if self.ranks_per_node is not None:

@@ -286,8 +286,13 @@ class Coordinator:
         index = self.book.steps[step].handed_out
         t0 = time.monotonic()
         stats = await self.world.train_microbatch(batch, self.rd.stream_file(step, index))
-        dt = time.monotonic() - t0
         tokens = sum(len(t["token_ids"]) for t in batch)
+        pace = self.cfg.trainer.pace_node_tokens_per_s
+        if pace:  # emulated accelerators: see TrainerConfig.pace_node_tokens_per_s
+            hold = tokens / (pace * len(self.world.members)) - (time.monotonic() - t0)
+            if hold > 0:
+                await asyncio.sleep(hold)
+        dt = time.monotonic() - t0
         cells = max(1, len(self.world.members) // self.cfg.cluster.cell_nodes)
         self.train_rate.append(tokens / max(dt, 1e-6) / cells)
         self.book.trained(batch)

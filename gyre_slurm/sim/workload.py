@@ -2,7 +2,8 @@
 
 Runs are ordered by step, then group (prompt), then member. A run's duration is its
 wall time at the reference load (a full cell); its trained tokens grow with its
-duration (`tokens_mean` at the mean duration), up to the context limit `tokens_max`.
+duration (`tokens_mean` at the mean duration; every run `tokens_mean` with
+`tokens_follow_duration: false`), up to the context limit `tokens_max`.
 Deterministic for a seed.
 """
 
@@ -70,7 +71,8 @@ def sample_workload(cfg: GyreConfig, *, base_dir: Path | None = None) -> Workloa
     num = w.num_steps * w.runs_per_step
     work = sample_durations(w.duration, num, rng, base_dir=base_dir)
     mean = w.duration.mean_s
-    tokens = np.minimum(w.tokens_max, np.maximum(1.0, w.tokens_mean * work / mean))
+    scale = work / mean if w.tokens_follow_duration else np.ones_like(work)
+    tokens = np.minimum(w.tokens_max, np.maximum(1.0, w.tokens_mean * scale))
     index = np.arange(num)
     return Workload(
         work_s=work, tokens=np.rint(tokens).astype(np.int64),
