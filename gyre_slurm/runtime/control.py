@@ -174,13 +174,33 @@ async def check_body(request: web.Request, handler):
     """Refuse a malformed body before the handler (see the module docstring)."""
     if request.method in ("POST", "PUT", "PATCH") and request.match_info.http_exception is None:
         try:
-            payload = await read_json_object(request)
+            payload = await read_json_object(request, timeout_s=BODY_TIMEOUT_S)
             error = _route_error(request, payload)
             if error:
                 raise BadRequest(400, f"{request.path}: {error}")
         except BadRequest as exc:
             return web.json_response({"error": str(exc)}, status=exc.status)
+        return await handler(_BodyRead(request))
     return await handler(request)
+
+
+class _BodyRead:
+    """The request with its body read and checked: `request.json()` answers from aiohttp's
+    cache, and `can_read_body` keeps saying whether there was a body to read (a handler
+    that asks it, as the node agent's does, still finds its arguments)."""
+
+    def __init__(self, request: web.Request):
+        self._request = request
+        self.can_read_body = request.body_exists
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._request, name)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._request[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._request[key] = value
 
 
 def make_app(secret: str) -> web.Application:
