@@ -6,6 +6,9 @@ value of the wrong type (expected vs actual), or a value a `__post_init__` check
 `--set a.b=value` overrides are applied to the raw mapping before loading, so they go
 through the same checks. Values of overrides are parsed as YAML scalars (`4`, `0.5`,
 `true`, `[1, 2]`).
+
+A section's `__post_init__` raises `FieldError(key, message)`: loading reports it as
+`section.key message` with the full key path (`workload.duration.mean_s must be > 0`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,15 @@ import yaml
 from gyre_slurm.errors import ConfigError
 
 T = TypeVar("T")
+
+
+class FieldError(ValueError):
+    """A section's value refused by its own check; `key` is the field's name in the
+    section (loading prefixes the section's path)."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key} {message}")
+        self.key, self.message = key, message
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -82,6 +94,8 @@ def from_dict(cls: type[T], data: Any, *, path: str = "") -> T:
         return cls(**kwargs)
     except ConfigError:
         raise
+    except FieldError as exc:
+        raise ConfigError(f"{_join(path, exc.key)} {exc.message}") from exc
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{path or '<top>'}: {exc}") from exc
 
@@ -112,7 +126,10 @@ def _convert(tp: Any, value: Any, *, path: str) -> Any:
     if origin is Literal:
         if value not in get_args(tp):
             choices = ", ".join(repr(a) for a in get_args(tp))
-            raise ConfigError(f"{path}: expected one of {choices}, got {value!r}")
+            close = difflib.get_close_matches(str(value), [str(a) for a in get_args(tp)],
+                                              n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{path}: expected one of {choices}, got {value!r}{hint}")
         return value
     if origin in (tuple, list):
         return _convert_sequence(tp, value, path=path)

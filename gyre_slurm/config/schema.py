@@ -6,26 +6,34 @@ and `trainer`. Every
 field has a default; a file names only what it changes. Units are in the names
 (`_s` seconds, `_tokens`, `num_` counts). Checks that span fields live in
 `GyreConfig.__post_init__` and say which key to change.
+
+Every check runs when a config is loaded (`gyre config`, `gyre run`, `gyre submit`, the
+sbatch script's first step), so a bad config is refused before any process starts. A
+section's own check raises `FieldError(key, message)`, reported with the key's full path
+(e.g. `cluster.num_nodes must be > 0, got 0`); cross-section checks raise `ConfigError`
+naming every key involved and the fix.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from gyre_slurm.config.loader import apply_overrides, from_dict, load_yaml_file
+from gyre_slurm.config.loader import FieldError, apply_overrides, from_dict, load_yaml_file
 from gyre_slurm.errors import ConfigError
 
 PolicyName = Literal["elastic", "colocate", "async"]
+NAME = re.compile(r"[A-Za-z0-9_+][A-Za-z0-9_.+-]{0,99}")
 
 
 def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
     ok = value >= 0 if allow_zero else value > 0
     if not ok or (isinstance(value, float) and math.isnan(value)):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be {bound}, got {value}")
+        raise FieldError(name, f"must be {bound}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -39,10 +47,9 @@ class ClusterConfig:
         _positive("gpus_per_node", self.gpus_per_node, allow_zero=True)  # 0: CPU only
         _positive("cell_nodes", self.cell_nodes)
         if self.num_nodes % self.cell_nodes:
-            raise ValueError(
-                f"num_nodes ({self.num_nodes}) is not a multiple of cell_nodes "
-                f"({self.cell_nodes}); set cluster.cell_nodes to a divisor of num_nodes"
-            )
+            raise FieldError(
+                "cell_nodes", f"= {self.cell_nodes}: cluster.num_nodes ({self.num_nodes}) is "
+                f"not a multiple of it; set cluster.cell_nodes to a divisor of num_nodes")
 
     @property
     def num_cells(self) -> int:
@@ -71,6 +78,8 @@ class SchedulerConfig:
         _positive("hysteresis", self.hysteresis, allow_zero=True)
         _positive("confirm_s", self.confirm_s, allow_zero=True)
         _positive("min_dwell_s", self.min_dwell_s, allow_zero=True)
+        if self.train_reserve_s is not None:
+            _positive("train_reserve_s", self.train_reserve_s, allow_zero=True)
 
 
 @dataclass(frozen=True)
@@ -89,7 +98,8 @@ class DurationConfig:
         if self.max_s is not None:
             _positive("max_s", self.max_s)
         if self.dist == "trace" and not self.trace_file:
-            raise ValueError("dist is 'trace' but trace_file is not set")
+            raise FieldError("trace_file", "is not set but dist is 'trace'; give a file "
+                             "with one duration in seconds per line, or dist: lognormal")
 
 
 @dataclass(frozen=True)
@@ -107,7 +117,8 @@ class WorkloadConfig:
         for name in ("num_steps", "prompts_per_step", "group_size", "tokens_mean", "tokens_max"):
             _positive(name, getattr(self, name))
         if not 0.0 <= self.llm_time_fraction <= 1.0:
-            raise ValueError(f"llm_time_fraction must be in [0, 1], got {self.llm_time_fraction}")
+            raise FieldError("llm_time_fraction",
+                             f"must be in [0, 1], got {self.llm_time_fraction}")
 
     @property
     def runs_per_step(self) -> int:
@@ -116,12 +127,12 @@ class WorkloadConfig:
 
 def _check_role_python(section: str, python: str | None, image: str | None) -> None:
     if python is not None and not python.strip():
-        raise ValueError(f"{section}.python is empty: give an interpreter path, "
+        raise ConfigError(f"{section}.python is empty: give an interpreter path, "
                          f"`env:<role>` (tools/role-env) or leave it unset")
     if python is not None and python.startswith("env:") and not python[4:].strip():
-        raise ValueError(f"{section}.python = {python!r}: name the role, e.g. env:vllm")
+        raise ConfigError(f"{section}.python = {python!r}: name the role, e.g. env:vllm")
     if image is not None and not image.strip():
-        raise ValueError(f"{section}.container_image is empty: name an image or leave it unset")
+        raise ConfigError(f"{section}.container_image is empty: name an image or leave it unset")
 
 
 @dataclass(frozen=True)
@@ -152,7 +163,7 @@ class RolloutConfig:
             _positive("tensor_parallel", self.tensor_parallel)
         _check_role_python("rollout", self.python, self.container_image)
         if self.engine == "embedded" and (self.engine_args or self.release == "sleep"):
-            raise ValueError("rollout.engine_args and rollout.release: sleep apply to "
+            raise ConfigError("rollout.engine_args and rollout.release: sleep apply to "
                              "rollout.engine: vllm (the embedded engine frees its model when "
                              "released, or stops with release: stop)")
 
@@ -187,10 +198,10 @@ class TrainerConfig:
             _positive("ranks_per_node", self.ranks_per_node)
         _check_role_python("trainer", self.python, self.container_image)
         if self.backend == "torch" and self.tensor_parallel * self.pipeline_parallel > 1:
-            raise ValueError("trainer.tensor_parallel / pipeline_parallel > 1 need "
+            raise ConfigError("trainer.tensor_parallel / pipeline_parallel > 1 need "
                              "trainer.backend: megatron (the torch backend is data parallel)")
         if self.backend == "megatron" and self.python is None and self.container_image is None:
-            raise ValueError("trainer.backend: megatron runs in its own environment "
+            raise ConfigError("trainer.backend: megatron runs in its own environment "
                              "(megatron-core needs Python >= 3.12): set trainer.python "
                              "(e.g. env:megatron, built by tools/role-env megatron) or "
                              "trainer.container_image")
@@ -212,7 +223,8 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         _positive("node_tokens_per_s", self.node_tokens_per_s)
         if not 0.0 < self.scaling_efficiency <= 1.0:
-            raise ValueError(f"scaling_efficiency must be in (0, 1], got {self.scaling_efficiency}")
+            raise FieldError("scaling_efficiency",
+                             f"must be in (0, 1], got {self.scaling_efficiency}")
         _positive("min_replica_nodes", self.min_replica_nodes)
         _positive("max_staleness", self.max_staleness, allow_zero=True)
         _positive("optimizer_step_s", self.optimizer_step_s, allow_zero=True)
@@ -253,6 +265,30 @@ class SimConfig:
         _positive("policy_interval_s", self.policy_interval_s)
 
 
+def _check_env(name: str, params: dict) -> None:
+    """The environment exists and takes these parameters (names only: its values are
+    checked when the runtime makes one, and making one may need the compute node)."""
+    import inspect
+
+    from gyre_slurm.envs.base import _REGISTRY, env_names
+
+    names = env_names()
+    if name not in names:
+        raise FieldError("env", f"= {name!r} is not an environment; use one of "
+                         f"{', '.join(names)}")
+    try:
+        sig = inspect.signature(_REGISTRY[name])
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return
+    takes = [p for p, v in sig.parameters.items() if v.kind is not v.VAR_POSITIONAL]
+    for key in params:
+        if key not in takes:
+            raise FieldError("env_params", f"has {key!r}, which environment {name!r} does "
+                             f"not take; its parameters: {', '.join(takes) or 'none'}")
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     """The real runtime (`gyre run`): launcher, engines, agents, trainer settings."""
@@ -281,16 +317,25 @@ class RuntimeConfig:
     run_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.model_hidden_size % self.model_heads:
-            raise ValueError(f"model_heads ({self.model_heads}) must divide model_hidden_size "
-                             f"({self.model_hidden_size})")
         for name in ("max_turns", "context_budget_tokens", "max_tokens", "runs_per_cell",
-                     "max_per_run", "lr", "heartbeat_s", "agent_lost_s", "status_interval_s",
-                     "policy_interval_s", "checkpoint_every_steps", "run_timeout_s"):
+                     "max_per_run", "lr", "clip_eps", "heartbeat_s", "agent_lost_s",
+                     "status_interval_s", "policy_interval_s", "checkpoint_every_steps",
+                     "run_timeout_s", "model_hidden_size", "model_layers", "model_heads"):
             _positive(name, getattr(self, name))
-        if not self.node_addr_prefix.startswith("127."):
-            raise ValueError(f"node_addr_prefix must be a loopback prefix (127.x.y.), "
-                             f"got {self.node_addr_prefix!r}")
+        _positive("temperature", self.temperature, allow_zero=True)
+        if self.model_hidden_size % self.model_heads:
+            raise FieldError("model_heads", f"= {self.model_heads} must divide "
+                             f"runtime.model_hidden_size = {self.model_hidden_size}")
+        if self.agent_lost_s < 2 * self.heartbeat_s:
+            raise FieldError("agent_lost_s", f"= {self.agent_lost_s:g} s is under two "
+                             f"heartbeats (runtime.heartbeat_s = {self.heartbeat_s:g} s): "
+                             f"healthy node agents would be declared lost; set it to at "
+                             f"least {2 * self.heartbeat_s:g}")
+        m = re.fullmatch(r"127\.(\d{1,3})\.(\d{1,3})\.", self.node_addr_prefix)
+        if m is None or max(int(m[1]), int(m[2])) > 255:
+            raise FieldError("node_addr_prefix", f"must be a loopback prefix 127.X.Y. (X, Y "
+                             f"in 0..255, with the final dot), got {self.node_addr_prefix!r}")
+        _check_env(self.env, self.env_params)
 
 
 @dataclass(frozen=True)
@@ -308,7 +353,14 @@ class GyreConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self) -> None:
+        if not NAME.fullmatch(self.name):
+            raise ConfigError(f"name = {self.name!r}: it names run dirs and Slurm jobs; use "
+                              f"1-100 of A-Z a-z 0-9 _ . + - (not starting with . or -)")
         self._check_engines()
+        self._check_cells()
+        self._check_runtime()
+
+    def _check_cells(self) -> None:
         num_cells = self.cluster.num_cells
         sched = self.scheduler
         floors = sched.min_rollout_cells + sched.min_train_cells
@@ -338,6 +390,22 @@ class GyreConfig:
                 f"{num_cells} cells and a training replica needs {min_train}), "
                 f"got {sched.async_rollout_cells}"
             )
+        bad = [r for r in self.sim.async_splits or () if not 0 < r <= most]
+        if bad:
+            raise ConfigError(f"sim.async_splits has {bad[0]}: each split must be between 1 "
+                              f"and {most} rollout cells (the cluster has {num_cells} cells "
+                              f"and a training replica needs {min_train})")
+
+    def _check_runtime(self) -> None:
+        rt = self.runtime
+        if rt.launcher == "local" and self.cluster.num_nodes > 254:
+            raise ConfigError(f"cluster.num_nodes = {self.cluster.num_nodes}: the local "
+                              f"launcher gives each node one address {rt.node_addr_prefix}N "
+                              f"(N up to 254); use fewer nodes or runtime.launcher: slurm")
+        if self.rollout.engine == "vllm" and rt.max_tokens >= self.rollout.max_model_len:
+            raise ConfigError(f"runtime.max_tokens = {rt.max_tokens} leaves no room for a "
+                              f"prompt within rollout.max_model_len = "
+                              f"{self.rollout.max_model_len}; lower it or raise max_model_len")
 
     @property
     def ranks_per_node(self) -> int:
@@ -372,6 +440,13 @@ class GyreConfig:
                 f"pipeline_parallel) spans {self.replica_nodes} nodes of {rpn} ranks, but "
                 f"training.min_replica_nodes = {self.training.min_replica_nodes}: set it to "
                 f"{self.replica_nodes} (or a multiple)")
+        cell, whole = self.cluster.cell_nodes, self.replica_nodes
+        if (cell % whole if whole <= cell else whole % cell):
+            raise ConfigError(
+                f"a replica of trainer.tensor_parallel x pipeline_parallel = "
+                f"{tr.replica_ranks} ranks spans {whole} nodes of {rpn} ranks, which does not "
+                f"tile cells of cluster.cell_nodes = {cell} (a cell must hold whole replicas, "
+                f"or a replica whole cells); change the parallelism or cluster.cell_nodes")
         if self.training.min_replica_nodes % self.replica_nodes:
             raise ConfigError(
                 f"training.min_replica_nodes = {self.training.min_replica_nodes} must be a "

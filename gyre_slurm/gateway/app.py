@@ -4,12 +4,25 @@ A request: parse -> render (`tools`) -> prompt token ids (`history`) -> `Router.
 (maybe wait for a server) -> n x `EngineClient.generate` (concurrently) -> cut at stop
 strings, parse tool calls (`text`, `tools`) -> append the call records -> remember the
 turns (`history`) -> answer (JSON, or a whole event stream).
+
+Access: every route needs `Authorization: Bearer <run secret>` (401 otherwise), the
+models list included: none is left open, because only the run's own agents (which hold
+the key) have any business here, and the coordinator watches the gateway in-process,
+so no health route is needed. The gateway binds one node's own address (a wildcard is
+refused). A body is read through `runtime.control.read_json_object`: 415 unless JSON,
+413 over `MAX_BODY_BYTES`, 408 if it does not arrive within `body_timeout_s`, 400 for
+bytes that are not UTF-8 or JSON (NaN, Infinity, deep nesting included); field checks
+(`gateway.openai`) answer 400, and so does a prompt whose `max_tokens` would run past the
+model's context. An idle or half-sent connection (request line and headers never
+finished) is closed after `idle_timeout_s`. Nothing is unpickled: JSON only. An
+unexpected failure answers 500 and the gateway keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import re
 import time
@@ -26,6 +39,7 @@ from gyre_slurm.gateway.history import Anchor, History, Served, turn_anchor
 from gyre_slurm.gateway.router import NoServer, Router
 from gyre_slurm.gateway.text import cut_at_stop, token_pieces
 from gyre_slurm.models import tiny
+from gyre_slurm.runtime.control import BODY_TIMEOUT_S, IDLE_TIMEOUT_S, BadRequest, read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +58,15 @@ class Gateway:
 
     def __init__(self, *, model_dir: Path, call_writer, api_key: str,
                  model_name: str = "gyre-policy", default_max_tokens: int = 64,
-                 wait_for_server_s: float = 60.0, history_calls_per_run: int = 16):
+                 wait_for_server_s: float = 60.0, history_calls_per_run: int = 16,
+                 body_timeout_s: float = BODY_TIMEOUT_S, idle_timeout_s: float = IDLE_TIMEOUT_S):
         if not api_key:
             raise ValueError("the gateway needs a non-empty api_key")
         self.tokenizer = tiny.load_tokenizer(model_dir)
         self.vocab_size = len(self.tokenizer)
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        self.max_context = int(config["max_position_embeddings"])  # prompt + output tokens
+        self.body_timeout_s, self.idle_timeout_s = body_timeout_s, idle_timeout_s
         stop = {self.tokenizer.convert_tokens_to_ids("<|im_end|>"), self.tokenizer.eos_token_id}
         self.stop_token_ids = sorted(int(t) for t in stop if t is not None)
         self.end_texts = self.tokenizer.convert_ids_to_tokens(self.stop_token_ids)
@@ -92,7 +110,7 @@ class Gateway:
             web.post("/runs/{run_id}/v1/completions", self._completions),
             web.get("/runs/{run_id}/v1/models", self._models),
             web.get("/v1/models", self._models)])
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.idle_timeout_s)
         await self._runner.setup()
         await web.TCPSite(self._runner, host, port).start()
         bound = self._runner.addresses[0][1]
@@ -130,12 +148,17 @@ class Gateway:
         if not RUN_ID.match(run_id):
             raise HttpError(400, f"run id {run_id!r}: use 1-200 of A-Z a-z 0-9 _ . : @ + -")
         try:
-            body = await request.json()
-        except ValueError as exc:
-            raise HttpError(400, f"body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise HttpError(400, "body must be a JSON object")
+            body = await read_json_object(request, timeout_s=self.body_timeout_s,
+                                          max_bytes=MAX_BODY_BYTES)
+        except BadRequest as exc:
+            raise HttpError(exc.status, str(exc)) from None
         return run_id, body
+
+    def _check_room(self, prompt_ids: list[int], max_tokens: int) -> None:
+        if len(prompt_ids) + max_tokens > self.max_context:
+            raise HttpError(400, f"max_tokens {max_tokens} + the prompt's {len(prompt_ids)} "
+                            f"tokens exceed the model's {self.max_context} positions; lower "
+                            f"max_tokens or shorten the prompt")
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(openai.models_response(self.model_name, self._created))
@@ -152,6 +175,7 @@ class Gateway:
         except openai.RequestError as exc:
             raise HttpError(400, str(exc)) from None
         prompt, prompt_ids, _ = self.history.prompt(run_id, prompt_text, self._encode)
+        self._check_room(prompt_ids, sampling.max_tokens)
         choices = await self._generate(run_id, prompt_ids, sampling, spec)
         for c in choices:
             try:
@@ -180,6 +204,7 @@ class Gateway:
             anchor, prompt_ids, _ = self.history.prompt(run_id, prompt, self._encode)
         else:
             prompt_ids = prompt
+        self._check_room(prompt_ids, sampling.max_tokens)
         choices = await self._generate(run_id, prompt_ids, sampling, tools.NO_TOOLS)
         if anchor is not None:
             for c in choices:

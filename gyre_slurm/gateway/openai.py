@@ -7,7 +7,9 @@ content a string, null or a list of text parts; assistant `tool_calls`; tool
 (default 1.0, 0 = greedy), `seed` (choice i of n gets seed + i), `n` (1..16), `stream`
 and `stream_options.include_usage`, `stop` (a string or up to 4), `logprobs` (chat:
 bool, with `top_logprobs` 0..20 accepted; completions: an int), `tools` and
-`tool_choice` (see `gateway.tools`). Refused: `echo`, `functions`/`function_call`.
+`tool_choice` (see `gateway.tools`); `seed` is a 64-bit integer, and `max_tokens` plus
+the prompt must fit the model's context (checked by the gateway). Refused: `echo`,
+`functions`/`function_call`.
 Accepted and ignored: `top_p`, penalties, `logit_bias`, `user`, `response_format`,
 `parallel_tool_calls` and anything else. Top-logprob alternatives are reported empty
 (`top_logprobs: []` per token in chat, `null` in completions): the engines return only
@@ -30,6 +32,7 @@ __all__ = ["RequestError", "Sampling", "Choice", "parse_sampling", "parse_messag
            "completion_stream", "models_response", "error_body"]
 
 MAX_N = 16
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1 - MAX_N
 MAX_STOPS = 4
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -106,8 +109,9 @@ def parse_sampling(body: dict[str, Any], *, default_max_tokens: int, chat: bool)
             or not 0 <= temperature < float("inf"):
         raise RequestError(f"temperature must be a number >= 0, got {temperature!r}")
     seed = body.get("seed")
-    if seed is not None and not _int(seed):
-        raise RequestError(f"seed must be an integer, got {seed!r}")
+    if seed is not None and (not _int(seed) or not SEED_MIN <= seed <= SEED_MAX):
+        raise RequestError(f"seed must be an integer from {SEED_MIN} to {SEED_MAX} (a 64-bit "
+                           f"seed, choice i of n taking seed + i), got {seed!r:.40}")
     n = _int_field(body, "n", 1, 1, MAX_N)
     lp = body.get("logprobs")
     if chat and lp not in (None, True, False):

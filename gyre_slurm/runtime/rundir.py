@@ -10,9 +10,18 @@ RUN_DIR/
   stream/               micro-batches handed to the training ranks
   checkpoints/step_NNNNNN/  complete checkpoints (written as .tmp-*, renamed); `latest` names the newest
   weights/vNNNNNN/      the policy versions rollout servers load
+  trainer_state/        the trainer's state handed from one training world to the next
   model/                the model's config and tokenizer
   logs/                 one file per node agent and per engine process
 ```
+
+Access: the secret is 0600 and the model's state (`checkpoints/`, `weights/`,
+`trainer_state/`) lives in 0700 directories, set explicitly whatever the umask, so
+only the run's user reads them. Other files are made 0644 (status, events, logs, the
+call store): as readable as the run dir itself, which is the user's to share (e.g. with
+`gyre status` for a group) or not. No file of the run dir holds the secret but `secret`.
+Nothing here is unpickled: records are JSON, tensors safetensors (or `torch.load` with
+`weights_only=True`).
 """
 
 from __future__ import annotations
@@ -25,6 +34,9 @@ from pathlib import Path
 from gyre_slurm.config.loader import dump_yaml
 from gyre_slurm.config.schema import GyreConfig
 from gyre_slurm.runtime.fsio import append_jsonl, write_bytes_atomic, write_json_atomic
+
+
+PRIVATE_DIRS = ("checkpoints", "weights", "trainer_state")  # the model's state: owner only
 
 
 class RunDir:
@@ -64,12 +76,22 @@ class RunDir:
 
     # -- creation --------------------------------------------------------------------
     def create(self, cfg: GyreConfig) -> None:
-        for sub in ("calls", "runs", "stream", "checkpoints", "weights", "logs"):
+        for sub in ("calls", "runs", "stream", "logs") + PRIVATE_DIRS:
             (self.path / sub).mkdir(parents=True, exist_ok=True)
-        os.chmod(self.checkpoints, 0o700)
         write_bytes_atomic(self.path / "config.yaml", dump_yaml(cfg).encode())
         if not self.secret_file.exists():
             write_bytes_atomic(self.secret_file, secrets.token_hex(32).encode(), mode=0o600)
+        self.make_private()
+
+    def make_private(self) -> None:
+        """Owner-only modes on the secret (0600) and the model's state directories (0700),
+        whatever the umask; idempotent (also for a run dir made by an older gyre)."""
+        for sub in PRIVATE_DIRS:
+            path = self.path / sub
+            path.mkdir(parents=True, exist_ok=True)
+            os.chmod(path, 0o700)
+        if self.secret_file.exists():
+            os.chmod(self.secret_file, 0o600)
 
     def secret(self) -> str:
         return self.secret_file.read_text().strip()

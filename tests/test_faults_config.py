@@ -1,0 +1,169 @@
+"""Faults: bad configs are refused before anything starts, with the key and the fix.
+
+A table of bad configs (over configs/tiny.yaml) each naming the key the error must name;
+then the real entry points: `gyre run` and `gyre submit` refuse before making a run dir or
+starting a node agent, and so does the sbatch script's first step (run as a shell script
+with the job's environment, and as a real job on the local Slurm cluster).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gyre_slurm.config.schema import load_config
+from gyre_slurm.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "tiny.yaml"
+MEGATRON = ["trainer.backend=megatron", "trainer.python=env:megatron"]
+
+# (overrides on configs/tiny.yaml, the key the message starts with or names, a fragment)
+BAD = [
+    (["cluster.num_nodse=4"], "cluster.num_nodse", "Did you mean 'cluster.num_nodes'"),
+    (["runtime.heartbeat=1"], "runtime.heartbeat", "Did you mean 'runtime.heartbeat_s'"),
+    (["cluster.num_nodes=four"], "cluster.num_nodes", "expected an integer"),
+    (["runtime.max_tokens=1.5"], "runtime.max_tokens", "expected an integer"),
+    (["runtime.env_params=[1]"], "runtime.env_params", "expected a mapping"),
+    (["scheduler.policy=elastc"], "scheduler.policy", "did you mean 'elastic'"),
+    (["cluster.num_nodes=0"], "cluster.num_nodes", "must be > 0"),
+    (["cluster.num_nodes=6", "cluster.cell_nodes=4"], "cluster.cell_nodes", "divisor"),
+    (["runtime.model_heads=0"], "runtime.model_heads", "must be > 0"),
+    (["runtime.model_heads=3"], "runtime.model_heads", "must divide"),
+    (["runtime.temperature=-1"], "runtime.temperature", "must be >= 0"),
+    (["runtime.clip_eps=0"], "runtime.clip_eps", "must be > 0"),
+    (["runtime.run_timeout_s=.nan"], "runtime.run_timeout_s", "got nan"),
+    (["runtime.agent_lost_s=0.5"], "runtime.agent_lost_s", "set it to at least 1"),
+    (["runtime.env=nope"], "runtime.env", "learnable, longhorizon, shell"),
+    (["runtime.env_params={bogus: 1}"], "runtime.env_params", "'bogus'"),
+    (["runtime.node_addr_prefix=127.0.300."], "runtime.node_addr_prefix", "127.X.Y."),
+    (["runtime.launcher=local", "cluster.num_nodes=300", "cluster.cell_nodes=100"],
+     "cluster.num_nodes", "runtime.launcher: slurm"),
+    (["name=../elsewhere"], "name", "names run dirs"),
+    (["scheduler.train_reserve_s=-1"], "scheduler.train_reserve_s", "must be >= 0"),
+    (["workload.duration.max_s=0"], "workload.duration.max_s", "must be > 0"),
+    (["workload.duration.dist=trace"], "workload.duration.trace_file", "is not set"),
+    (["training.scaling_efficiency=2"], "training.scaling_efficiency", "(0, 1]"),
+    # layouts the cells cannot hold
+    (["scheduler.min_rollout_cells=3", "scheduler.min_train_cells=2"],
+     "scheduler.min_rollout_cells + scheduler.min_train_cells", "lower the floors or add nodes"),
+    (["training.min_replica_nodes=8"], "training.min_replica_nodes", "cannot train"),
+    (["scheduler.min_rollout_cells=4", "scheduler.min_train_cells=0"],
+     "scheduler.min_rollout_cells", "lower scheduler.min_rollout_cells or add nodes"),
+    (["scheduler.policy=async", "scheduler.async_rollout_cells=4"],
+     "scheduler.async_rollout_cells", "between 1 and 3"),
+    (["scheduler.policy=async", "scheduler.async_rollout_cells=0"],
+     "scheduler.async_rollout_cells", "between 1 and 3"),
+    (["sim.async_splits=[1, 9]"], "sim.async_splits", "between 1 and 3"),
+    (["trainer.tensor_parallel=2"], "trainer.backend: megatron", "data parallel"),
+    (["trainer.backend=megatron"], "trainer.python", "env:megatron"),
+    (MEGATRON + ["cluster.gpus_per_node=8", "trainer.tensor_parallel=3"],
+     "tensor_parallel x pipeline_parallel", "change one of them"),
+    (MEGATRON + ["cluster.gpus_per_node=8", "trainer.ranks_per_node=16"],
+     "trainer.ranks_per_node", "one rank per GPU"),
+    (MEGATRON + ["cluster.gpus_per_node=8", "trainer.tensor_parallel=8",
+                 "trainer.pipeline_parallel=2"], "training.min_replica_nodes", "set it to 2"),
+    # a replica of 3 nodes in cells of 2: neither holds whole copies of the other
+    (MEGATRON + ["cluster.num_nodes=6", "cluster.cell_nodes=2", "cluster.gpus_per_node=8",
+                 "trainer.tensor_parallel=8", "trainer.pipeline_parallel=3",
+                 "training.min_replica_nodes=3"], "cluster.cell_nodes", "does not tile"),
+    (["cluster.gpus_per_node=8", "rollout.tensor_parallel=3"], "rollout.tensor_parallel",
+     "must divide cluster.gpus_per_node"),
+    (["rollout.release=sleep"], "rollout.release: sleep", "rollout.engine: vllm"),
+    (["rollout.engine=vllm", "rollout.python=env:vllm"], "runtime.model_heads",
+     "vLLM's CPU attention"),
+    (["rollout.engine=vllm", "rollout.python=env:vllm", "runtime.model_heads=2",
+      "rollout.max_model_len=16"], "runtime.max_tokens", "raise max_model_len"),
+    (["rollout.python="], "rollout.python", "is empty"),
+]
+
+
+@pytest.mark.parametrize("overrides, key, fragment", BAD, ids=[b[1] for b in BAD])
+def test_bad_config_is_refused_naming_the_key(overrides, key, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, overrides)
+    message = str(err.value)
+    assert key in message and fragment in message, message
+    assert "Traceback" not in message
+
+
+def test_tiny_configs_pass_the_checks():
+    for name in ("tiny.yaml", "tiny-vllm-megatron.yaml", "workload-example.yaml"):
+        load_config(ROOT / "configs" / name)
+
+
+@pytest.fixture
+def bad_config(tmp_path):
+    """configs/tiny.yaml with an impossible layout: floors of 5 cells on 4."""
+    data = yaml.safe_load(TINY.read_text())
+    data["scheduler"]["min_rollout_cells"] = 4
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+KEY = "scheduler.min_rollout_cells + scheduler.min_train_cells = 5"
+
+
+def test_gyre_run_refuses_before_starting_anything(gyre, bad_config, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = gyre("run", str(bad_config), "--run-dir", str(run_dir), check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert KEY in proc.stderr and "lower the floors" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not run_dir.exists()  # no config.yaml, secret, logs/agent-*, events.jsonl
+    # an override that breaks a good config is refused the same way
+    proc = gyre("run", str(TINY), "--run-dir", str(run_dir), "--set", "runtime.env=nope",
+                check=False)
+    assert proc.returncode == 2 and "runtime.env = 'nope'" in proc.stderr
+    assert not run_dir.exists()
+
+
+def test_gyre_submit_refuses_before_sbatch(gyre, bad_config, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = gyre("submit", str(bad_config), "--run-dir", str(run_dir), check=False)
+    assert proc.returncode == 2 and KEY in proc.stderr, proc.stderr
+    assert not run_dir.exists()
+
+
+def _job_env(tmp_path: Path) -> dict:
+    """What Slurm gives a batch script; `srun`/`scontrol` on PATH record any call."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).write_text(f"#!/bin/sh\necho {tool} >> {tmp_path}/called\n")
+        (bin_dir / tool).chmod(0o755)
+    return dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", GYRE_ROOT=str(ROOT),
+                SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_ID="4242",
+                SLURM_JOB_NODELIST="node[1-4]", SLURM_JOB_NUM_NODES="4",
+                PYTHONPATH=str(ROOT))
+
+
+def test_sbatch_script_refuses_in_its_first_step(bad_config, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(["bash", str(ROOT / "sbatch" / "gyre.sbatch"), str(bad_config),
+                           str(run_dir)], env=_job_env(tmp_path), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert KEY in proc.stderr and "nothing was started" in proc.stderr
+    assert not run_dir.exists()
+    assert not (tmp_path / "called").exists()  # no srun step, no scontrol
+
+
+@pytest.mark.slow
+def test_sbatch_job_with_a_bad_config_fails_without_a_step(slurm_cluster, bad_config, tmp_path):
+    from test_slurm_e2e import sbatch, wait_done
+
+    run_dir = tmp_path / "run"
+    out = tmp_path / "job.out"
+    job = sbatch(slurm_cluster, f"--output={out}", "--nodes=1",  # the refusal needs one
+                 str(ROOT / "sbatch" / "gyre.sbatch"), str(bad_config), str(run_dir))
+    state, _ = wait_done(slurm_cluster, job, timeout_s=300)  # the cluster may be busy
+    assert state == "FAILED"
+    text = out.read_text()
+    assert KEY in text and "nothing was started" in text, text
+    assert not run_dir.exists()  # the coordinator (and its srun step) never started
+    assert f"gyre: job {job} (restart" not in text  # refused before the job's first echo
