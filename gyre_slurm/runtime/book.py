@@ -164,7 +164,17 @@ class StepBook:
         return sum(len(t["token_ids"]) for t in self.steps[self.version].ready)
 
     def waiting_tokens(self) -> int:
-        return sum(len(t["token_ids"]) for s in self.steps[self.version + 1:] for t in s.ready)
+        """Tokens of finished runs that cannot train yet: runs of later steps, and runs of
+        the step being trained whose group has not ended (the policy's `waiting`, counted
+        as the simulator counts it; groups not yet released are work in sight too)."""
+        total = 0
+        for s in self.allowed_steps():
+            runs = [self.runs[r] for r in self.steps[s].runs]
+            open_groups = {r.prompt for r in runs if r.state in ("pending", "running")}
+            for r in runs:
+                if r.state == "ok" and (s > self.version or r.prompt in open_groups):
+                    total += sum(len(t["token_ids"]) for t in r.trajectories)
+        return total
 
     def step_runs_left(self) -> int:
         if self.version >= self.num_steps:
