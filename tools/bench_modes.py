@@ -289,15 +289,20 @@ def replay_workload(cfg: GyreConfig, replay: dict):
 
 
 def predict(base: dict, label: str, costs: dict, replay: dict) -> dict:
-    from gyre_slurm.sim.runner import simulate
+    from gyre_slurm.sim.engine import Simulator
     from gyre_slurm.sim.workload import sample_workload
 
     cfg = sim_config(base, label, costs)
-    replayed = simulate(cfg, sim_policy(cfg, label), replay_workload(cfg, replay))
-    sampled = [simulate(cfg, sim_policy(cfg, label),
-                        sample_workload(dataclasses.replace(
-                            cfg, sim=dataclasses.replace(cfg.sim, seed=seed)))).makespan_s
-               for seed in range(5)]
+    # The policy is told the config's handoff prior, as in the real run; the simulation
+    # charges the measured costs.
+    prior = from_dict(GyreConfig, apply_overrides(base, mode_overrides(label))).handoff
+
+    def run(workload):
+        return Simulator(cfg, sim_policy(cfg, label), workload, policy_handoff=prior).run()
+
+    replayed = run(replay_workload(cfg, replay))
+    sampled = [run(sample_workload(dataclasses.replace(
+        cfg, sim=dataclasses.replace(cfg.sim, seed=seed)))).makespan_s for seed in range(5)]
     return {"makespan_s": replayed.makespan_s, "busy_fraction": replayed.busy_fraction,
             "handoffs": replayed.handoffs, "sampled_makespan_s": median(sampled),
             "timeline": replayed.timeline}

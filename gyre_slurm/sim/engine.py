@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gyre_slurm.config.schema import GyreConfig
+from gyre_slurm.config.schema import GyreConfig, HandoffConfig
 from gyre_slurm.sched.cells import Cell, CellTable, Role
 from gyre_slurm.sched.types import CellObs, Decision, Observation, Policy
 from gyre_slurm.sim.rollout import RUNNING, RolloutCells
@@ -56,8 +56,13 @@ class SimResult:
 
 
 class Simulator:
-    def __init__(self, cfg: GyreConfig, policy: Policy, workload: Workload):
+    def __init__(self, cfg: GyreConfig, policy: Policy, workload: Workload, *,
+                 policy_handoff: HandoffConfig | None = None):
+        """`policy_handoff`: the handoff costs the policy is told (its prior), where they
+        differ from the costs the simulation charges (`cfg.handoff`), as in a real run
+        whose config holds a prior and whose handoffs take what they take."""
         self.cfg, self.policy, self.w = cfg, policy, workload
+        self.policy_handoff = policy_handoff or cfg.handoff
         self.cap = cfg.cell_capacity
         num_cells = cfg.cluster.num_cells
         layout = policy.initial_layout(num_cells)
@@ -369,8 +374,8 @@ class Simulator:
             tokens_per_run=float(self.cfg.workload.tokens_mean),
             policy_version=self.version, steps_done=self.version,
             num_steps=self.w.num_steps,
-            handoff_to_train_s=self.cfg.handoff.to_train_s,
-            handoff_to_rollout_s=self.cfg.handoff.to_rollout_s,
+            handoff_to_train_s=self.policy_handoff.to_train_s,
+            handoff_to_rollout_s=self.policy_handoff.to_rollout_s,
             step_runs_left=int(self.ledger.runs_left[step]) if step < self.w.num_steps else 0,
         )
 
