@@ -141,9 +141,12 @@ def verify_weights(weights_dir: str | Path) -> Path:
         with open(path, "rb") as f:
             head = f.read(8)
             n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
-            if n is None or n > min(size - 8, 100 << 20):
+            if n is None or n > 100 << 20:
                 raise CorruptWeights(f"{path}: {size} bytes, no safetensors header "
                                      f"(truncated or not a safetensors file)")
+            if n > size - 8:
+                raise CorruptWeights(f"{path}: {size} bytes, truncated at byte offset "
+                                     f"{size}, inside its {n}-byte header")
             header = json.loads(f.read(n))
     except FileNotFoundError:
         raise CorruptWeights(f"{path} does not exist") from None

@@ -115,7 +115,7 @@ def _explain_save_failure(rd, name: str, tmp: Path, exc: Exception,
     try:
         rd.event("disk_full", what=f"checkpoint {name}", path=str(tmp), needed=needed,
                  free=err.free, mount=err.mount, error=str(exc)[:500])
-    except OSError:
+    except (OSError, DiskFull):
         pass  # the events file may be on the same full file system
     return err
 
