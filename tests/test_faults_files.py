@@ -35,9 +35,7 @@ from gyre_slurm.runtime import checkpoint
 from gyre_slurm.runtime.fsio import (
     DiskFull, append_jsonl, drop_torn_tail, read_jsonl, write_bytes_atomic,
 )
-from gyre_slurm.traj.store import (
-    FILE_MAGIC, CallStoreReader, CallStoreWriter, RunBuffer, load_store,
-)
+from gyre_slurm.traj.store import CallStoreReader, CallStoreWriter, RunBuffer, load_store
 
 ROOT = Path(__file__).resolve().parent.parent
 TWO_STEPS = [*FAST, "workload.num_steps=2"]
@@ -103,7 +101,7 @@ def check_resumed_run(run_dir: Path, *, num_steps: int) -> list[dict]:
     checkpoint than its last (so it trained a step again): every started run ended (or a
     later attempt did), every ok run's trajectories trained exactly once (the stream of
     steps past the checkpoint was dropped and trained again), the steps after the last
-    resume run on from its version, and the last checkpoint verifies."""
+    resumed start run on from its version, and the last checkpoint verifies."""
     records = list(read_jsonl(run_dir / "runs" / "runs.jsonl"))
     started = [r["run_id"] for r in read_jsonl(run_dir / "runs" / "started.jsonl")]
     ended = {r["run_id"]: r for r in records}
@@ -115,7 +113,8 @@ def check_resumed_run(run_dir: Path, *, num_steps: int) -> list[dict]:
     trained = trained_trajectories(run_dir)
     assert trained == expected_trajectories(run_dir) and max(trained.values()) == 1
     events = list(read_jsonl(run_dir / "events.jsonl"))
-    last = max(i for i, e in enumerate(events) if e["kind"] == "resume")
+    last = max(i for i, e in enumerate(events) if e["kind"] == "start")
+    assert events[last]["resume"]
     steps = [e["step"] for e in events[last:] if e["kind"] == "step"]
     assert steps == list(range(events[last]["version"], num_steps))
     status = json.loads((run_dir / "status.json").read_text())
@@ -320,7 +319,6 @@ def test_resume_falls_back_from_a_half_written_checkpoint_and_skips_garbled_reco
     assert lost not in ended and f"{lost}-a1" in ended  # its record unusable: it ran again
 
 
-@pytest.mark.slow
 def test_resume_with_no_checkpoint_that_verifies_is_a_clear_error(run_copy):
     ckpt = run_copy / "checkpoints"
     os.truncate(ckpt / "step_000002" / "trainer.pt", 10)

@@ -7,10 +7,11 @@ Inputs (written by the coordinator, see gyre_slurm/runtime/rundir.py):
                 `Snapshot.status_error` says what is wrong (path, line/column or size).
   events.jsonl  append-only; each line {"t": unix time, "kind": ...}. A torn last line is
                 skipped (it is read again once complete); a corrupt line before it is
-                skipped and reported in `Snapshot.problems` (path, line, byte offset). Run dirs written before
-                decisions carried unix `t` (they had seconds since the coordinator's
-                start) are still read: `to_unix` maps those with t0 = status.t -
-                status.elapsed_s (or the `finish` event's t - wall_s).
+                skipped and reported in `Snapshot.problems` (path, line, byte offset).
+                Run dirs written before decisions carried unix `t` (they had seconds
+                since the coordinator's start) are still read: `to_unix` maps those
+                with t0 = status.t - status.elapsed_s (or the `finish` event's t -
+                wall_s).
 
 Derived figures (all from events unless said otherwise):
   role segments   per cell, (cell, t0, t1, label) seconds since the `start` event: the
