@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 STATE_NAMES = ("trainer.pt", "trainer")
 STEP_NAME = re.compile(r"^step_(\d{6,})$")
+LOW_SPACE_BYTES = 16 << 20  # a checkpoint write that failed with less left: disk full
 
 
 # -- writing ---------------------------------------------------------------------------
@@ -96,8 +97,9 @@ async def save(coord) -> None:
 
 def _explain_save_failure(rd, name: str, tmp: Path, exc: Exception,
                           free: int | None) -> Exception:
-    """A disk-full failure (whichever process hit it: the trainer's error may have lost
-    its errno on the way, so little free space left counts too) becomes `DiskFull`."""
+    """A disk-full failure becomes `DiskFull`: by its errno or text, or, since the
+    trainer's error may have lost both on the way (torch.save says "unexpected pos"),
+    by the free space the failed write left (under LOW_SPACE_BYTES)."""
     previous = _read_latest_name(rd.checkpoints)
     needed = None
     if previous is not None:
@@ -106,7 +108,7 @@ def _explain_save_failure(rd, name: str, tmp: Path, exc: Exception,
                                                .read_text()))
         except (OSError, ValueError, TypeError, AttributeError):
             pass
-    if not (is_disk_full(exc) or (free is not None and free < max(needed or 0, 1 << 20))):
+    if not (is_disk_full(exc) or (free is not None and free < LOW_SPACE_BYTES)):
         return exc
     keep = (f"checkpoints/latest still names {previous} (untouched)" if previous
             else "no earlier checkpoint exists")

@@ -285,19 +285,23 @@ class CallStoreWriter:
         raise self.error from exc
 
     def flush(self) -> None:
-        if self.error is not None:
-            raise self.error
+        """Make every recorded call durable (also after a failed append: the whole
+        records before it are kept)."""
         try:
             os.fsync(self._fd)
         except OSError as exc:
+            if self.error is not None:
+                raise self.error from exc
             self._fail(exc, what="syncing the call segment", needed=None)
         self._last_sync = time.monotonic()
 
     def close(self) -> None:
         if self._fd >= 0:
             try:
+                self.flush()
+            except (OSError, DiskFull, CallStoreFailed):
                 if self.error is None:
-                    self.flush()
+                    raise
             finally:
                 os.close(self._fd)
                 self._fd = -1
