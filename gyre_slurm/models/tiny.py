@@ -124,10 +124,54 @@ def save_state(state, out_dir: str | Path) -> Path:
     return out_dir
 
 
+class CorruptWeights(ValueError):
+    """A weights file that is not whole (truncated, or not a safetensors file)."""
+
+
+def verify_weights(weights_dir: str | Path) -> Path:
+    """Check `weights_dir/model.safetensors` is whole before anyone loads it: the header
+    parses and the file is exactly as long as its tensors say (a truncated or garbled
+    file would otherwise fail deep inside safetensors, or not at all). Returns the path;
+    raises `CorruptWeights` naming the file, its size and what is wrong."""
+    import struct
+
+    path = Path(weights_dir) / WEIGHTS_FILE
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+            if n is None or n > 100 << 20:
+                raise CorruptWeights(f"{path}: {size} bytes, no safetensors header "
+                                     f"(truncated or not a safetensors file)")
+            if n > size - 8:
+                raise CorruptWeights(f"{path}: {size} bytes, truncated at byte offset "
+                                     f"{size}, inside its {n}-byte header")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise CorruptWeights(f"{path} does not exist") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        if isinstance(exc, CorruptWeights):
+            raise
+        raise CorruptWeights(f"{path}: {size} bytes, garbled safetensors header at byte "
+                             f"offset 8 ({exc})") from None
+    try:
+        end = max((int(t["data_offsets"][1]) for k, t in header.items()
+                   if k != "__metadata__"), default=0)
+    except (TypeError, KeyError, ValueError, IndexError) as exc:
+        raise CorruptWeights(f"{path}: garbled safetensors header ({exc!r})") from None
+    want = 8 + n + end
+    if size != want:
+        raise CorruptWeights(f"{path}: {size} bytes but its header describes {want} "
+                             f"(truncated at byte offset {size})" if size < want else
+                             f"{path}: {size} bytes but its header describes {want}")
+    return path
+
+
 def load_weights(model, weights_dir: str | Path) -> None:
     from safetensors.torch import load_file
 
-    state = load_file(str(Path(weights_dir) / WEIGHTS_FILE))
+    state = load_file(str(verify_weights(weights_dir)))
     missing, unexpected = model.load_state_dict(state, strict=True), None
     del missing, unexpected
 

@@ -5,7 +5,10 @@
 --refresh-s; `q` or Ctrl-C quits) when stdout is a terminal, else one frame. --once
 prints one frame (plain text when stdout is not a terminal); --json prints status.json.
 A run dir that does not exist is an error (exit 2); one that exists but has no
-status.json yet shows "waiting for status.json", or is an error for --json. An all-digits argument is a Slurm job id (see monitor/slurm.py).
+status.json yet shows "waiting for status.json", or is an error for --json. A garbled
+status.json never stops the view: it keeps the last good one (live) and prints a warning
+naming the file and what is wrong; --json is then an error (exit 2) saying so. An
+all-digits argument is a Slurm job id (see monitor/slurm.py).
 """
 
 from __future__ import annotations
@@ -52,18 +55,32 @@ def status(args: argparse.Namespace) -> int:
         path = run_dir / "status.json"
         if not path.is_file():
             raise UserError(f"{path} does not exist: has the run started?")
-        data = model.read_status(run_dir)
+        data, error = model.read_status_checked(run_dir)
         if data is None:
-            raise UserError(f"{path} is not valid JSON")
+            raise UserError(error or f"{path} does not exist: has the run started?")
         json.dump(data, sys.stdout, indent=1)
         print()
         return 0
     console = make_console()
     tail = model.EventTail(run_dir / "events.jsonl")
     if args.once or not console.is_terminal:  # a pipe or a file gets one frame
-        console.print(view.frame(model.load(run_dir, tail)))
+        console.print(framed(model.load(run_dir, tail)))
         return 0
     return live(console, run_dir, tail, refresh_s=max(0.1, args.refresh_s))
+
+
+def framed(snap):
+    """The view's frame, then a warning line per corrupt file met (a garbled
+    status.json, a corrupt events.jsonl line): said, never silently used."""
+    from rich.console import Group
+    from rich.text import Text
+
+    from gyre_slurm.monitor import view
+
+    if not snap.problems:
+        return view.frame(snap)
+    return Group(view.frame(snap), *(Text(f"warning: {p}", style="bold red")
+                                     for p in snap.problems[-5:]))
 
 
 def make_console():
@@ -77,10 +94,12 @@ def make_console():
 def live(console, run_dir: Path, tail, *, refresh_s: float) -> int:
     from rich.live import Live
 
-    from gyre_slurm.monitor import model, view
+    from gyre_slurm.monitor import model
+
+    reader = model.StatusReader(run_dir)  # keeps the last good status.json
 
     def draw():
-        return view.frame(model.load(run_dir, tail))
+        return framed(model.load(run_dir, tail, reader))
 
     try:
         with keys() as read_key, Live(draw(), console=console, screen=True,

@@ -1,13 +1,17 @@
 """Reading a run dir and deriving what the monitor shows.
 
 Inputs (written by the coordinator, see gyre_slurm/runtime/rundir.py):
-  status.json   rewritten atomically ~1/s; may be missing (job not started) or, on odd
-                file systems, briefly unreadable: then `status` is None.
+  status.json   rewritten atomically ~1/s; may be missing (job not started): then
+                `status` is None. If it cannot be read or parsed (garbled), the monitor
+                never crashes: `StatusReader` keeps the last good status (or None) and
+                `Snapshot.status_error` says what is wrong (path, line/column or size).
   events.jsonl  append-only; each line {"t": unix time, "kind": ...}. A torn last line is
-                skipped (it is read again once complete). Run dirs written before
-                decisions carried unix `t` (they had seconds since the coordinator's
-                start) are still read: `to_unix` maps those with t0 = status.t -
-                status.elapsed_s (or the `finish` event's t - wall_s).
+                skipped (it is read again once complete); a corrupt line before it is
+                skipped and reported in `Snapshot.problems` (path, line, byte offset).
+                Run dirs written before decisions carried unix `t` (they had seconds
+                since the coordinator's start) are still read: `to_unix` maps those
+                with t0 = status.t - status.elapsed_s (or the `finish` event's t -
+                wall_s).
 
 Derived figures (all from events unless said otherwise):
   role segments   per cell, (cell, t0, t1, label) seconds since the `start` event: the
@@ -34,45 +38,79 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gyre_slurm.runtime.fsio import BadLine, parse_jsonl
+
 FAILURE_KINDS = ("agent_lost", "handoff_failed")
 WINDOW_S = 60.0
 
 
 class EventTail:
-    """Reads events.jsonl incrementally: whole lines only, from where it stopped."""
+    """Reads events.jsonl incrementally: whole lines only, from where it stopped.
+    Corrupt lines are skipped and kept in `bad` (`BadLine`: path, line, byte offset)."""
 
     def __init__(self, path: Path):
         self.path = path
         self.offset = 0
+        self.line = 1
         self.events: list[dict] = []
+        self.bad: list[BadLine] = []
 
     def poll(self) -> list[dict]:
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
                 data = f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError, PermissionError):
             return self.events
         end = data.rfind(b"\n")
         if end < 0:
             return self.events
-        for raw in data[:end].split(b"\n"):
-            try:
-                event = json.loads(raw)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(event, dict) and "kind" in event and "t" in event:
+        for event in parse_jsonl(data[:end + 1], path=str(self.path), start_line=self.line,
+                                 start_offset=self.offset, on_bad=self.bad.append):
+            if "kind" in event and isinstance(event.get("t"), (int, float)):
                 self.events.append(event)
+        self.line += data.count(b"\n", 0, end + 1)
         self.offset += end + 1
         return self.events
 
 
-def read_status(run_dir: Path) -> dict | None:
+def read_status_checked(run_dir: Path) -> tuple[dict | None, str | None]:
+    """(status, None), (None, None) when status.json does not exist yet, or (None, what
+    is wrong) when it cannot be read or is not a JSON object."""
+    path = run_dir / "status.json"
     try:
-        data = json.loads((run_dir / "status.json").read_text())
-    except (FileNotFoundError, ValueError, OSError):
-        return None
-    return data if isinstance(data, dict) else None
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"{path}: unreadable ({exc})"
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return None, f"{path}: garbled ({len(raw)} bytes): {exc}"
+    if not isinstance(data, dict):
+        return None, f"{path}: not a JSON object ({type(data).__name__})"
+    return data, None
+
+
+def read_status(run_dir: Path) -> dict | None:
+    return read_status_checked(run_dir)[0]
+
+
+class StatusReader:
+    """Reads status.json again and again: a garbled read keeps the last good status
+    (`error` says what is wrong with the file now)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.last_good: dict | None = None
+        self.error: str | None = None
+
+    def read(self) -> dict | None:
+        data, self.error = read_status_checked(self.run_dir)
+        if data is not None:
+            self.last_good = data
+        return self.last_good
 
 
 @dataclass
@@ -83,6 +121,8 @@ class Snapshot:
     status: dict | None
     events: list[dict]
     now: float = field(default_factory=time.time)
+    status_error: str | None = None  # status.json garbled now (`status`: the last good)
+    problems: list[str] = field(default_factory=list)  # corrupt files met, for the user
 
     @property
     def start_t(self) -> float | None:
@@ -253,6 +293,14 @@ def step_rates(events: list[dict]) -> list[dict]:
     return out
 
 
-def load(run_dir: Path, tail: EventTail | None = None) -> Snapshot:
+def load(run_dir: Path, tail: EventTail | None = None,
+         status: StatusReader | None = None) -> Snapshot:
     tail = tail or EventTail(run_dir / "events.jsonl")
-    return Snapshot(run_dir=run_dir, status=read_status(run_dir), events=list(tail.poll()))
+    status = status or StatusReader(run_dir)
+    current = status.read()
+    events = list(tail.poll())
+    problems = [f"{status.error}" + ("; showing the last good status" if current else "")
+                ] if status.error else []
+    problems += [f"corrupt line skipped: {b}" for b in tail.bad]
+    return Snapshot(run_dir=run_dir, status=current, events=events,
+                    status_error=status.error, problems=problems)

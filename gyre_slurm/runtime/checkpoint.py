@@ -14,61 +14,305 @@ Resume (`gyre run CONFIG --run-dir DIR --resume`) starts from `latest`:
   no trained run is trained again);
 - a run that was started (`runs/started.jsonl`) but has no record was interrupted: it
   restarts as a new attempt (`<run_id>-a<N>`); its partial calls are never trained.
+
+Verification: before the rename, `manifest.json` records every file of the checkpoint
+(relative path, size, sha256). On resume a checkpoint is used only if its manifest
+verifies, its `coordinator.json` names a version, its trainer state is there and the
+weights of that version are whole (`tiny.verify_weights`). If `latest` is missing,
+garbled or names a checkpoint that does not verify, resume falls back to the newest
+checkpoint that verifies: each rejected one is reported (a `checkpoint_rejected` event
+and a warning on stderr, with the reason) and moved aside to `checkpoints/.rejected-
+<name>`; `latest` is rewritten to the one used (`resume_fallback` event). If none
+verifies, resume stops with an error naming each checkpoint and what is wrong with it.
+A checkpoint written before manifests existed is checked for the rest and used.
+
+Disk full while checkpointing: the half-written `.tmp-step_N` is removed, `latest` keeps
+naming the previous checkpoint (untouched), and the job stops with `DiskFull` (what,
+where, about how much is needed: the previous checkpoint's size, and the free space on
+that file system). Free space, then `--resume`.
+
+Torn tails: on resume, a torn last line of events.jsonl, runs/runs.jsonl and
+runs/started.jsonl (a crash mid-write) is cut off before anything is appended (a
+`torn_tail_dropped` event); a corrupt line in the middle of runs.jsonl or started.jsonl
+is skipped and reported (a `corrupt_line` event naming the file, line and byte offset,
+and a warning): its run, never recorded as far as resume can tell, runs again.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import json
+import logging
 import os
+import re
 import shutil
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 from gyre_slurm.errors import UserError
 from gyre_slurm.models import tiny
 from gyre_slurm.runtime.book import run_id_of
-from gyre_slurm.runtime.fsio import read_jsonl, write_json_atomic
+from gyre_slurm.runtime.fsio import (
+    BadLine, DiskFull, drop_torn_tail, free_bytes, fsync_dir, is_disk_full, read_jsonl,
+    write_bytes_atomic, write_json_atomic,
+)
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+STATE_NAMES = ("trainer.pt", "trainer")
+STEP_NAME = re.compile(r"^step_(\d{6,})$")
+LOW_SPACE_BYTES = 16 << 20  # a checkpoint write that failed with less left: disk full
 
 
+# -- writing ---------------------------------------------------------------------------
 async def save(coord) -> None:
+    rd = coord.rd
     version = coord.book.version
     name = f"step_{version:06d}"
-    final = coord.rd.checkpoints / name
-    tmp = coord.rd.checkpoints / f".tmp-{name}"
+    final = rd.checkpoints / name
+    tmp = rd.checkpoints / f".tmp-{name}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     t0 = time.monotonic()
-    await coord.world.save(tmp / coord.world.state_name)
-    write_json_atomic(tmp / "coordinator.json", {"version": version, "name": coord.cfg.name,
-                                                 "t": time.time()})
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    coord.rd.set_latest(name)
-    coord.rd.event("checkpoint", version=version, path=str(final),
-                   seconds=time.monotonic() - t0)
+    try:
+        tmp.mkdir(parents=True)
+        await coord.world.save(tmp / coord.world.state_name)
+        write_json_atomic(tmp / "coordinator.json", {"version": version, "name": coord.cfg.name,
+                                                     "t": time.time()})
+        manifest = await asyncio.to_thread(write_manifest, tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_dir(rd.checkpoints)
+        write_bytes_atomic(rd.checkpoints / "latest", name.encode())
+    except Exception as exc:
+        free = free_bytes(rd.checkpoints)  # before cleaning up: what the failed write left
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _explain_save_failure(rd, name, tmp, exc, free) from exc
+    rd.event("checkpoint", version=version, path=str(final),
+             seconds=time.monotonic() - t0, bytes=manifest_bytes(manifest))
 
 
+def _explain_save_failure(rd, name: str, tmp: Path, exc: Exception,
+                          free: int | None) -> Exception:
+    """A disk-full failure becomes `DiskFull`: by its errno or text, or, since the
+    trainer's error may have lost both on the way (torch.save says "unexpected pos"),
+    by the free space the failed write left (under LOW_SPACE_BYTES)."""
+    previous = _read_latest_name(rd.checkpoints)
+    needed = None
+    if previous is not None:
+        try:
+            needed = manifest_bytes(json.loads((rd.checkpoints / previous / MANIFEST)
+                                               .read_text()))
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass
+    if not (is_disk_full(exc) or (free is not None and free < LOW_SPACE_BYTES)):
+        return exc
+    keep = (f"checkpoints/latest still names {previous} (untouched)" if previous
+            else "no earlier checkpoint exists")
+    err = DiskFull(what=f"writing checkpoint {name}", path=tmp, needed=needed, cause=exc,
+                   after=f", then continue with --resume; {keep}")
+    try:
+        rd.event("disk_full", what=f"checkpoint {name}", path=str(tmp), needed=needed,
+                 free=err.free, mount=err.mount, error=str(exc)[:500])
+    except (OSError, DiskFull):
+        pass  # the events file may be on the same full file system
+    return err
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(ckpt: Path) -> dict:
+    """`ckpt/manifest.json`: every file under `ckpt` with its size and sha256."""
+    files = {str(p.relative_to(ckpt)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in _files(ckpt)}
+    manifest = {"format": 1, "files": files}
+    write_json_atomic(ckpt / MANIFEST, manifest)
+    return manifest
+
+
+def manifest_bytes(manifest: dict) -> int:
+    return sum(int(f["size"]) for f in manifest["files"].values())
+
+
+# -- verifying -------------------------------------------------------------------------
+class CheckpointInvalid(UserError):
+    """A checkpoint that must not be resumed from; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class Verified:
+    path: Path
+    version: int
+    state: Path  # trainer.pt, or a trainer/ directory
+    checksummed: bool  # False: written before manifests (not checksummed)
+
+
+def verify_checkpoint(ckpt: Path, run_dir: Path) -> Verified:
+    """Check a checkpoint dir completely (see the module docstring) or raise
+    `CheckpointInvalid` naming the file and what is wrong."""
+    if not ckpt.is_dir():
+        raise CheckpointInvalid(f"{ckpt} does not exist")
+    checksummed = _verify_manifest(ckpt)
+    meta_path = ckpt / "coordinator.json"
+    try:
+        meta = json.loads(meta_path.read_bytes())
+        version = int(meta["version"])
+    except FileNotFoundError:
+        raise CheckpointInvalid(f"{meta_path} is missing") from None
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise CheckpointInvalid(f"{meta_path} is garbled ({type(exc).__name__}: "
+                                f"{str(exc)[:120]})") from None
+    state = [ckpt / n for n in STATE_NAMES if (ckpt / n).exists()]
+    if not state:
+        raise CheckpointInvalid(f"{ckpt} holds no trainer state ({' or '.join(STATE_NAMES)})")
+    if state[0].is_file() and state[0].stat().st_size == 0:
+        raise CheckpointInvalid(f"{state[0]} is empty")
+    weights = tiny.weights_dir(run_dir, version)
+    try:
+        tiny.verify_weights(weights)
+    except tiny.CorruptWeights as exc:
+        raise CheckpointInvalid(f"{ckpt} is of policy version {version}, whose weights "
+                                f"are unusable: {exc}") from None
+    return Verified(ckpt, version, state[0], checksummed)
+
+
+def _verify_manifest(ckpt: Path) -> bool:
+    path = ckpt / MANIFEST
+    if not path.exists():
+        return False
+    try:
+        files = json.loads(path.read_bytes())["files"]
+        listed = {name: (int(f["size"]), str(f["sha256"])) for name, f in files.items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise CheckpointInvalid(f"{path} is garbled ({type(exc).__name__}: "
+                                f"{str(exc)[:120]})") from None
+    for name, (size, digest) in sorted(listed.items()):
+        f = ckpt / name
+        if not f.is_file():
+            raise CheckpointInvalid(f"{f} is missing (listed in {MANIFEST})")
+        got = f.stat().st_size
+        if got != size:
+            raise CheckpointInvalid(f"{f} is {got} bytes, {MANIFEST} says {size}"
+                                    + (f" (truncated at byte offset {got})" if got < size else ""))
+        if _sha256(f) != digest:
+            raise CheckpointInvalid(f"{f}: sha256 differs from {MANIFEST} (corrupt content)")
+    return True
+
+
+def _read_latest_name(checkpoints: Path) -> str | None:
+    try:
+        name = (checkpoints / "latest").read_bytes().decode().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return name if STEP_NAME.match(name) else None
+
+
+@dataclass
+class Choice:
+    chosen: Verified | None
+    latest: str | None  # what `latest` named (None: missing or garbled)
+    latest_raw: str | None  # why `latest` itself is bad, if it is
+    rejected: list[tuple[Path, str]]
+
+
+def choose_checkpoint(run_dir: Path) -> Choice:
+    """The checkpoint to resume from: `latest` if it verifies, else the newest one that
+    does. Reads only; `load_for_resume` reports and acts."""
+    checkpoints = Path(run_dir) / "checkpoints"
+    latest_file = checkpoints / "latest"
+    latest = _read_latest_name(checkpoints)
+    latest_raw = None
+    if latest is None and latest_file.exists():
+        raw = latest_file.read_bytes()[:80]
+        latest_raw = f"{latest_file} is garbled ({raw!r}): it names no step_NNNNNN"
+    steps = sorted((p for p in checkpoints.glob("step_*") if STEP_NAME.match(p.name)),
+                   key=lambda p: int(p.name[5:]), reverse=True)
+    order = ([checkpoints / latest] if latest else []) + \
+        [p for p in steps if p.name != latest]
+    rejected = []
+    for ckpt in order:
+        try:
+            return Choice(verify_checkpoint(ckpt, Path(run_dir)), latest, latest_raw, rejected)
+        except CheckpointInvalid as exc:
+            rejected.append((ckpt, str(exc)))
+    return Choice(None, latest, latest_raw, rejected)
+
+
+# -- resuming --------------------------------------------------------------------------
 def load_for_resume(coord) -> int:
     rd = coord.rd
     if not (rd.path / "config.yaml").is_file():
         raise UserError(f"--resume: {rd.path} is not a run dir (no config.yaml)")
-    latest = rd.latest_checkpoint()
-    if latest is None:
-        coord.resume_state = None
-        _drop_uncommitted_stream(rd, 0)
-        return 0  # nothing trained yet: start from v0, replaying finished runs
-    meta = _read_json(latest / "coordinator.json")
-    version = int(meta["version"])
-    if not tiny.weights_dir(rd.path, version).is_dir():
-        raise UserError(f"--resume: checkpoint {latest} names policy version {version} but "
-                        f"{tiny.weights_dir(rd.path, version)} is missing")
-    state = [latest / name for name in ("trainer.pt", "trainer") if (latest / name).exists()]
-    if not state:
-        raise UserError(f"--resume: checkpoint {latest} holds no trainer state "
-                        f"(trainer.pt or trainer/)")
-    coord.resume_state = state[0]
-    rd.event("resume", checkpoint=str(latest), version=version)
-    _drop_uncommitted_stream(rd, version)
-    return version
+    _drop_torn_tails(rd)
+    choice = choose_checkpoint(rd.path)
+    for path, why in choice.rejected:
+        log.warning("--resume: checkpoint %s rejected: %s", path, why)
+        rd.event("checkpoint_rejected", path=str(path), reason=why)
+    if choice.latest_raw:
+        log.warning("--resume: %s", choice.latest_raw)
+        rd.event("checkpoint_rejected", path=str(rd.checkpoints / "latest"),
+                 reason=choice.latest_raw)
+    if choice.chosen is None:
+        if not choice.rejected and not choice.latest_raw:
+            coord.resume_state = None
+            _drop_uncommitted_stream(rd, 0)
+            return 0  # nothing trained yet: start from v0, replaying finished runs
+        lines = [f"  {p.name}: {why}" for p, why in choice.rejected]
+        lines += [f"  latest: {choice.latest_raw}"] if choice.latest_raw else []
+        raise UserError(
+            f"--resume: no checkpoint in {rd.checkpoints} verifies:\n" + "\n".join(lines)
+            + "\nrestore a good checkpoint there, or remove checkpoints/ to train again from "
+              "policy version 0 (every recorded run is replayed)")
+    ok = choice.chosen
+    if choice.rejected or choice.latest_raw or choice.latest != ok.path.name:
+        for path, _ in choice.rejected:
+            _move_aside(path)
+        write_bytes_atomic(rd.checkpoints / "latest", ok.path.name.encode())
+        log.warning("--resume: falling back from %s to %s (policy version %d)",
+                    choice.latest or "a missing or garbled `latest`", ok.path.name, ok.version)
+        rd.event("resume_fallback", latest=choice.latest, to=ok.path.name, version=ok.version,
+                 rejected=[{"path": str(p), "reason": why} for p, why in choice.rejected])
+    if not ok.checksummed:
+        log.info("--resume: %s has no %s (written before manifests): files not checksummed",
+                 ok.path, MANIFEST)
+    coord.resume_state = ok.state
+    rd.event("resume", checkpoint=str(ok.path), version=ok.version, checksummed=ok.checksummed)
+    _drop_uncommitted_stream(rd, ok.version)
+    return ok.version
+
+
+def _move_aside(path: Path) -> None:
+    """Keep a rejected checkpoint for inspection, out of resume's way."""
+    if not path.is_dir():
+        return
+    aside = path.with_name(f".rejected-{path.name}")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(path, aside)
+    log.warning("--resume: moved the rejected %s to %s", path, aside)
+
+
+def _drop_torn_tails(rd) -> None:
+    """A crash may have cut a line short; the resumed job appends after it, so it goes."""
+    for path in (rd.events_file, rd.runs_file, rd.path / "runs" / "started.jsonl"):
+        cut = drop_torn_tail(path)
+        if cut is not None:
+            offset, num_bytes = cut
+            log.info("--resume: %s: dropped a torn last line at byte offset %d (%d bytes)",
+                     path, offset, num_bytes)
+            rd.event("torn_tail_dropped", path=str(path), offset=offset, bytes=num_bytes)
 
 
 def _drop_uncommitted_stream(rd, version: int) -> None:
@@ -83,10 +327,8 @@ def _drop_uncommitted_stream(rd, version: int) -> None:
 def replay_runs(coord) -> None:
     """Feed the ledger what the previous coordinator recorded (see module docstring)."""
     book, rd = coord.book, coord.rd
-    ended = {}
-    for rec in read_jsonl(rd.runs_file):
-        ended[rec["run_id"]] = rec
-    started = {rec["run_id"] for rec in read_jsonl(rd.path / "runs" / "started.jsonl")}
+    ended = {rec["run_id"]: rec for rec in _records(rd, rd.runs_file)}
+    started = {rec["run_id"] for rec in _records(rd, rd.path / "runs" / "started.jsonl")}
     for step in range(book.version, book.num_steps):
         for slot, rid in enumerate(list(book.steps[step].runs)):
             prompt, member = divmod(slot, book.group_size)
@@ -101,16 +343,21 @@ def replay_runs(coord) -> None:
                 book.restart(rid)
 
 
+def _records(rd, path: Path):
+    """The run records of a JSON-lines file; corrupt lines are reported and skipped."""
+    def report(bad: BadLine) -> None:
+        rd.event("corrupt_line", **bad.to_json())
+
+    for number, rec in enumerate(read_jsonl(path, on_bad=report), 1):
+        if isinstance(rec.get("run_id"), str):
+            yield rec
+        else:
+            why = f"a record without a run_id: {json.dumps(rec)[:80]}"
+            log.warning("%s: record %d skipped: %s", path, number, why)
+            rd.event("corrupt_line", path=str(path), record=number, reason=why)
+
+
 def _to_attempt(book, rid: str, attempt: int) -> str:
     while book.runs[rid].attempt < attempt:
         rid = book.restart(rid)
     return rid
-
-
-def _read_json(path):
-    import json
-
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise UserError(f"--resume: cannot read {path}: {exc}") from exc

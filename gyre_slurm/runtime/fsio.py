@@ -1,52 +1,234 @@
 """Writes to the shared filesystem: every file appears whole or not at all.
 
 `write_json_atomic` / `write_bytes_atomic`: temp name in the same directory, fsync,
-rename over the target. `append_jsonl`: one line per event, written with a single
-`write` on an O_APPEND descriptor and flushed (a reader may see a torn last line after a
-crash and must skip it; `read_jsonl` does).
+rename over the target; on any failure (disk full included) the temp file is removed and
+the target keeps its old content. `append_jsonl`: one line per event, written with a
+single `write` on an O_APPEND descriptor; a line that would follow a torn one (a crash
+cut the previous writer mid-line) starts on a new line, so it stays whole.
+
+Reading (`read_jsonl`): whole lines only. A torn LAST line (no newline: a writer died
+mid-write) is the normal crash case and is skipped quietly (debug log). A bad line with
+a newline after it is corruption: it is skipped, never used, and reported loudly (a
+warning naming the file, line number and byte offset; `on_bad` receives a `BadLine` for
+the caller to record). `drop_torn_tail` cuts a torn last line off before a new writer
+(a resumed job) appends after it.
+
+Disk full: `is_disk_full` recognises ENOSPC / EDQUOT / EFBIG (also in the text of an
+error that crossed a process boundary); `DiskFull` is the error to raise, naming what
+was being written, where, how much was needed when known, and the free space on that
+file system.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+
+from gyre_slurm.errors import UserError
+
+log = logging.getLogger(__name__)
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+DISK_FULL_TEXTS = ("No space left on device", "Disk quota exceeded", "File too large")
+
+
+# -- writing -------------------------------------------------------------------------
+def write_all(fd: int, data: bytes | memoryview) -> int:
+    """Write every byte (a short write is continued; its failure raises)."""
+    view, done = memoryview(data), 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
+    return done
 
 
 def write_bytes_atomic(path: str | Path, data: bytes, *, mode: int = 0o644) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        try:
+            write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)  # never a half file left behind, under any name
+        if isinstance(exc, OSError) and is_disk_full(exc):
+            raise DiskFull(what=f"writing {path.name}", path=path, needed=len(data),
+                           cause=exc) from exc
+        raise
 
 
 def write_json_atomic(path: str | Path, obj: Any, *, mode: int = 0o644) -> None:
     write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode(), mode=mode)
 
 
-def append_jsonl(path: str | Path, obj: Any) -> None:
-    line = (json.dumps(obj, sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename in `path` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.write(fd, line)
+        os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def read_jsonl(path: str | Path) -> Iterator[dict]:
-    """Whole lines only: a torn last line (no newline, or bad JSON) is skipped."""
+def append_jsonl(path: str | Path, obj: Any) -> None:
+    line = (json.dumps(obj, sort_keys=True) + "\n").encode()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)  # read: the last byte
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            line = b"\n" + line  # after a torn line: ours starts whole on its own line
+        write_all(fd, line)
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise DiskFull(what="appending a record", path=Path(path), needed=len(line),
+                           cause=exc) from exc
+        raise
+    finally:
+        os.close(fd)
+
+
+# -- reading -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BadLine:
+    """A line of a JSON-lines file that is not a JSON object: corrupt, skipped."""
+
+    path: str
+    line: int  # 1-based
+    offset: int  # byte offset of the line's start
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: line {self.line} (byte offset {self.offset}): {self.reason}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "line": self.line, "offset": self.offset,
+                "reason": self.reason}
+
+
+def parse_jsonl(data: bytes, *, path: str, start_line: int = 1, start_offset: int = 0,
+                on_bad: Callable[[BadLine], None] | None = None) -> Iterator[dict]:
+    """The JSON objects of `data`'s newline-terminated lines (a trailing fragment is
+    ignored: the caller decides whether it is a torn tail). Bad lines are reported."""
+    pos, number = 0, start_line
+    while (end := data.find(b"\n", pos)) >= 0:
+        raw = data[pos:end]
+        try:
+            obj = json.loads(raw)
+            reason = None if isinstance(obj, dict) else f"not a JSON object: {raw[:60]!r}"
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            obj, reason = None, f"corrupt line ({exc}): {raw[:60]!r}"
+        if reason is None:
+            yield obj
+        elif raw.strip():  # an empty line carries nothing to lose
+            bad = BadLine(path, number, start_offset + pos, reason)
+            log.warning("%s: skipped", bad)
+            if on_bad is not None:
+                on_bad(bad)
+        pos, number = end + 1, number + 1
+
+
+def read_jsonl(path: str | Path, *,
+               on_bad: Callable[[BadLine], None] | None = None) -> Iterator[dict]:
+    """Whole lines only: a torn last line (no newline) is skipped quietly; a corrupt
+    line before it is skipped and reported (see the module docstring)."""
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
         return
-    for raw in data.split(b"\n")[:-1]:
-        try:
-            yield json.loads(raw)
-        except json.JSONDecodeError:
-            continue
+    yield from parse_jsonl(data, path=str(path), on_bad=on_bad)
+    tail = data[data.rfind(b"\n") + 1:]
+    if tail:
+        log.debug("%s: torn last line at byte offset %d (%d bytes) skipped", path,
+                  len(data) - len(tail), len(tail))
+
+
+def drop_torn_tail(path: str | Path) -> tuple[int, int] | None:
+    """Cut a torn last line (bytes after the last newline) off the file: call only
+    while no writer appends. Returns (offset, bytes dropped), or None if it was whole."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return None
+    if size == 0:
+        return None
+    with open(path, "rb") as f:
+        back = min(size, 1 << 20)
+        f.seek(size - back)
+        chunk = f.read(back)
+    if chunk.endswith(b"\n"):
+        return None
+    cut = chunk.rfind(b"\n")
+    offset = size - back + cut + 1 if cut >= 0 else (0 if back == size else None)
+    if offset is None:  # a last "line" over 1 MiB with no newline: not a torn JSON line
+        return None
+    os.truncate(path, offset)
+    return offset, size - offset
+
+
+# -- disk full -----------------------------------------------------------------------
+def is_disk_full(exc: BaseException) -> bool:
+    if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+        return True
+    text = str(exc)
+    return any(t in text for t in DISK_FULL_TEXTS)
+
+
+def mount_of(path: str | Path) -> tuple[str, str]:
+    """(mount point, file system type) of the file system holding `path`."""
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    fstype = "?"
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 2 and fields[1].replace("\\040", " ") == str(p):
+                fstype = fields[2]  # the last one mounted there is the one in use
+    except OSError:
+        pass
+    return str(p), fstype
+
+
+def free_bytes(path: str | Path) -> int | None:
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        st = os.statvfs(p)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
+
+
+class DiskFull(UserError):
+    """A write failed for lack of space. The message says what, where, how much was
+    needed when known, and the free space on the file system (and where it is mounted)."""
+
+    def __init__(self, *, what: str, path: str | Path, needed: int | None = None,
+                 cause: BaseException | None = None, after: str = ""):
+        self.path, self.needed = Path(path), needed
+        self.mount, self.fstype = mount_of(path)
+        self.free = free_bytes(path)
+        need = f"needed about {_mb(needed)}, " if needed else ""
+        free = f"{_mb(self.free)} free" if self.free is not None else "free space unknown"
+        text = " ".join(str(cause).split()) if cause is not None else ""
+        why = f" ({text[:300]})" if text else ""
+        super().__init__(
+            f"disk full: {what} at {path}{why}: {need}{free} on {self.mount} "
+            f"({self.fstype}); free space on {self.mount}{after}")

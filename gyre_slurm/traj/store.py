@@ -19,6 +19,14 @@ detectable. A reader never returns such a record: at the tail of a live segment 
 reports a `TornRecord` (file, offset, and the run/call when the header can be read) and
 skips it. A writer reopening its segment after a crash truncates a torn tail first.
 
+Write failures (disk full above all): a failed `append` cuts the segment back to its
+last whole record, so no half call is ever left (a reader, or a later writer, never
+meets it), and raises `DiskFull` (or `CallStoreFailed` for other I/O errors) naming the
+segment, the run and call, the bytes needed and the free space. The writer is then
+failed for good: `error` holds the error and every later `append` raises it again; the
+job is expected to stop on it (nothing recorded before it is lost: a resumed job opens
+a new segment, and its readers read both).
+
 A call costs 64 bytes + its names + 4 B per new prompt token + 8 B per output token.
 """
 
@@ -39,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from gyre_slurm.errors import UserError
+from gyre_slurm.runtime.fsio import DiskFull, is_disk_full, write_all
 from gyre_slurm.traj.delta import CallDelta
 from gyre_slurm.traj.encode import DeltaEncoder
 from gyre_slurm.traj.records import (
@@ -174,6 +183,10 @@ def segment_path(run_dir: str | os.PathLike, writer_id: str) -> Path:
     return Path(run_dir) / "calls" / f"{writer_id}{SEGMENT_SUFFIX}"
 
 
+class CallStoreFailed(RuntimeError):
+    """The call store could not record a call (an I/O error other than disk full)."""
+
+
 class CallStoreWriter:
     """Appends one process's calls to its own segment. fsync policy: after a record when
     `fsync_interval_s` has passed since the last fsync (0: every record; None: only on
@@ -186,6 +199,8 @@ class CallStoreWriter:
         self.fsync_interval_s = fsync_interval_s
         self.vocab_size = vocab_size
         self._encoder = DeltaEncoder()
+        self.error: BaseException | None = None  # set once an append failed: see module doc
+        self._fd = -1
         self._recover()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         self._last_sync = time.monotonic()
@@ -205,13 +220,23 @@ class CallStoreWriter:
                 os.truncate(self.path, torn[-1].offset)
             return
         try:
-            os.write(fd, FILE_MAGIC)
+            write_all(fd, FILE_MAGIC)
             os.fsync(fd)
-        finally:
+        except OSError as exc:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            if is_disk_full(exc):
+                raise DiskFull(what="creating a call segment", path=self.path,
+                               needed=len(FILE_MAGIC), cause=exc) from exc
+            raise
+        else:
             os.close(fd)
 
     def append(self, record: CallRecord | dict[str, Any]) -> CallDelta:
-        """Store one call (a `CallRecord` or a DESIGN §4 dict); returns its stored form."""
+        """Store one call (a `CallRecord` or a DESIGN §4 dict); returns its stored form.
+        Raises `self.error` once a write has failed (see the module docstring)."""
+        if self.error is not None:
+            raise self.error
         if not isinstance(record, CallRecord):
             record = parse_call(record, vocab_size=self.vocab_size)
         delta = self._encoder.encode(record, remember=False)
@@ -223,11 +248,13 @@ class CallStoreWriter:
                                  f"{len(delta.output_logprobs)} output_logprobs")
         except ValueError as exc:
             raise BadRecord(str(exc), run_id=record.run_id, call=record.call) from None
-        data = memoryview(encode_record(delta))
-        done = 0
-        while done < len(data):  # a short write is finished, never left torn
-            done += os.write(self._fd, data[done:])
-        self.num_bytes += done
+        data = encode_record(delta)
+        try:
+            write_all(self._fd, data)  # a short write is finished, never left torn
+        except OSError as exc:
+            self._fail(exc, what=f"recording call {delta.call} of run {delta.run_id!r}",
+                       needed=len(data))
+        self.num_bytes += len(data)
         self._encoder.remember(delta)
         interval = self.fsync_interval_s
         if interval is not None and time.monotonic() - self._last_sync >= interval:
@@ -238,15 +265,46 @@ class CallStoreWriter:
         """A run is over: drop the tree kept to choose its calls' parents."""
         self._encoder.forget(run_id)
 
+    def _fail(self, exc: OSError, *, what: str, needed: int | None) -> None:
+        """Cut the segment back to its last whole record, then fail for good."""
+        try:
+            os.ftruncate(self._fd, self.num_bytes)
+        except OSError as cut:  # a reader then sees a torn tail, skipped as such
+            log.error("%s: could not cut a failed write back to offset %d: %s", self.path,
+                      self.num_bytes, cut)
+        after = ("; the call store takes no more calls: stop the job, free space, then "
+                 f"continue with --resume (every call recorded before offset "
+                 f"{self.num_bytes} of this segment is whole and kept)")
+        if is_disk_full(exc):
+            self.error = DiskFull(what=what, path=self.path, needed=needed, cause=exc,
+                                  after=after)
+        else:
+            self.error = CallStoreFailed(f"{what} at {self.path} offset {self.num_bytes}: "
+                                         f"{exc}{after}")
+        log.error("%s", self.error)
+        raise self.error from exc
+
     def flush(self) -> None:
-        os.fsync(self._fd)
+        """Make every recorded call durable (also after a failed append: the whole
+        records before it are kept)."""
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:
+            if self.error is not None:
+                raise self.error from exc
+            self._fail(exc, what="syncing the call segment", needed=None)
         self._last_sync = time.monotonic()
 
     def close(self) -> None:
         if self._fd >= 0:
-            self.flush()
-            os.close(self._fd)
-            self._fd = -1
+            try:
+                self.flush()
+            except (OSError, DiskFull, CallStoreFailed):
+                if self.error is None:
+                    raise
+            finally:
+                os.close(self._fd)
+                self._fd = -1
 
     def __enter__(self) -> CallStoreWriter:
         return self
@@ -345,6 +403,7 @@ class RunBuffer:
         unknown = []
         for t in result.torn:
             if t.run_id is None:
+                log.warning("call store: %s (skipped)", t.to_error())
                 unknown.append(t)
             else:
                 self._torn.setdefault(t.run_id, []).append(t)
