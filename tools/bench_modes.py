@@ -93,6 +93,9 @@ def run_slurm(cluster, config: Path, run_dir: Path, *, nodes: int, timeout_s: fl
         state = fields.get("JobState", "UNKNOWN")
         if state in TERMINAL:
             break
+        if state == "UNKNOWN" and time.time() - t0 > 30:
+            raise SystemExit(f"job {job} is gone from the cluster (was it restarted?); "
+                             f"see {run_dir.parent}")
         time.sleep(0.5)
     else:
         subprocess.run(["scancel", job], env=env, timeout=30)
@@ -375,7 +378,7 @@ def plot(results: dict, predicted: dict, run_dirs: dict, path: Path) -> None:
         draw_roles(ax, list(read_jsonl(run_dirs[label] / "events.jsonl")))
         ax.set_title("")
         ax.set_title(f"{label}, measured: {m['span_s']:.0f} s, busy {m['busy_fraction']:.0%}, "
-                     f"{m['handoffs']} handoffs", fontsize=10, loc="left")
+                     f"{m['cells_moved']} cell moves", fontsize=10, loc="left")
         ax = axes[row, 1]
         for cell, t0, t1, lab in p["timeline"]:
             ax.broken_barh([(t0, max(t1 - t0, 0.05))], (cell - 0.4, 0.8),
@@ -383,7 +386,7 @@ def plot(results: dict, predicted: dict, run_dirs: dict, path: Path) -> None:
         ax.set_yticks(sorted({c for c, *_ in p["timeline"]}))
         ax.invert_yaxis()
         ax.set_title(f"{label}, simulated: {p['makespan_s']:.0f} s, busy "
-                     f"{p['busy_fraction']:.0%}, {p['handoffs']} handoffs", fontsize=10,
+                     f"{p['busy_fraction']:.0%}, {p['handoffs']} cell moves", fontsize=10,
                      loc="left")
         for ax in axes[row]:
             ax.set_xlim(0, span * 1.01)
@@ -471,6 +474,17 @@ def main() -> int:
                  for label in labels}
     print("simulator inputs measured in these runs (medians): " + ", ".join(
         f"{k} {median(v):.3f}" for k, v in sorted(costs.items())))
+    from gyre_slurm.sim.bounds import lower_bound
+
+    first = labels[0]
+    bcfg = sim_config(base, first, costs)
+    bound = {k: float(v) for k, v in lower_bound(
+        bcfg, replay_workload(bcfg, results[first]["replay"])).items()}
+    print(f"lower bound of this workload (any layout, no handoff costs): "
+          f"{bound['lower_bound_s']:.0f} s = max(work {bound['work_bound_s']:.0f} s, critical "
+          f"path through the staleness bound {bound['critical_path_s']:.0f} s); per mode, "
+          + ", ".join(f"{k} {m['span_s'] / bound['lower_bound_s']:.2f}x"
+                      for k, m in results.items()))
     md = print_table(results, predicted, wall, problems)
     png = args.png or args.out / "bench-modes.png"
     plot(results, predicted, run_dirs, png)
@@ -482,6 +496,7 @@ def main() -> int:
         "predicted": {k: {kk: vv for kk, vv in p.items() if kk != "timeline"}
                       for k, p in predicted.items()},
         "sim_inputs": {k: median(v) for k, v in costs.items()},
+        "lower_bound": bound,
         "semantics_problems": problems, "markdown": md,
     }
     write_json_atomic(args.out / "results.json", summary)
