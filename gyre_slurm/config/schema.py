@@ -268,21 +268,15 @@ class SimConfig:
 def _check_env(name: str, params: dict) -> None:
     """The environment exists and takes these parameters (names only: its values are
     checked when the runtime makes one, and making one may need the compute node)."""
-    import inspect
-
-    from gyre_slurm.envs.base import _REGISTRY, env_names
+    from gyre_slurm.envs.base import env_names, env_param_names
 
     names = env_names()
     if name not in names:
         raise FieldError("env", f"= {name!r} is not an environment; use one of "
                          f"{', '.join(names)}")
-    try:
-        sig = inspect.signature(_REGISTRY[name])
-    except (TypeError, ValueError):
+    takes = env_param_names(name)
+    if takes is None:
         return
-    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-        return
-    takes = [p for p, v in sig.parameters.items() if v.kind is not v.VAR_POSITIONAL]
     for key in params:
         if key not in takes:
             raise FieldError("env_params", f"has {key!r}, which environment {name!r} does "

@@ -94,6 +94,24 @@ def env_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def env_param_names(name: str) -> list[str] | None:
+    """The parameters environment `name`'s factory takes (None: any, or not knowable);
+    `UserError` for an unknown name."""
+    import inspect
+
+    _load_builtin()
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise UserError(f"unknown environment {name!r}; known: {', '.join(sorted(_REGISTRY))}")
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return None
+    return [k for k, v in sig.parameters.items() if v.kind is not v.VAR_POSITIONAL]
+
+
 def make_env(name: str, **params: Any) -> Environment:
     """A fresh environment; `UserError` for an unknown name or parameter."""
     _load_builtin()
@@ -110,19 +128,11 @@ def env_params_for_run(name: str, params: dict[str, Any], *, run_dir) -> dict[st
     """The parameters the runtime makes `name` with: `params`, plus
     `base_dir=RUN_DIR/sandboxes` for an environment whose factory takes a `base_dir`
     (per-run working directories live on the run's filesystem) unless `params` sets it."""
-    import inspect
     from pathlib import Path
 
-    _load_builtin()
     out = dict(params)
-    factory = _REGISTRY.get(name)
-    if factory is not None and "base_dir" not in out:
-        try:
-            takes = "base_dir" in inspect.signature(factory).parameters
-        except (TypeError, ValueError):
-            takes = False
-        if takes:
-            out["base_dir"] = str(Path(run_dir) / "sandboxes")
+    if name in env_names() and "base_dir" not in out and "base_dir" in (env_param_names(name) or ()):
+        out["base_dir"] = str(Path(run_dir) / "sandboxes")
     return out
 
 
