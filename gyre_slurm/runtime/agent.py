@@ -182,6 +182,27 @@ class NodeAgent:
             await asyncio.gather(*(client.release() for _, client in self.engines))
         return {"engine_release_s": time.monotonic() - t0}
 
+    async def cmd_restart_engine(self, *, server: int, version: int,
+                                 backoff_s: float = 0.0) -> dict:
+        """Replace server `server`'s engine (crashed, or hung: the coordinator's health
+        check says which): SIGKILL the old process (a stopped one too), wait `backoff_s`,
+        start a new one at `version` (on a new port)."""
+        if not 0 <= server < len(self.engines):
+            raise ValueError(f"node {self.node_index} runs {len(self.engines)} engine "
+                             f"servers, not server {server}")
+        t0 = time.monotonic()
+        proc, client = self.engines[server]
+        await client.close()
+        exit_code = await asyncio.to_thread(_kill, proc)
+        log.warning("engine s%d (pid %d) killed for a restart (exit code %s); restarting "
+                    "in %.1f s", server, proc.pid, exit_code, backoff_s)
+        await asyncio.sleep(backoff_s)
+        new = await asyncio.to_thread(self._start_one, server, version)
+        self.engines[server] = (new, self._client(new))
+        return {"base_url": new.base_url, "engine_kind": self.cfg.rollout.engine,
+                "version": version, "exit_code": exit_code, "pid": new.pid,
+                "engine_start_s": time.monotonic() - t0}
+
     async def shutdown_engine(self) -> None:
         engines, self.engines = self.engines, []
         for proc, client in engines:
@@ -298,6 +319,19 @@ class NodeAgent:
     async def cmd_shutdown(self) -> dict:
         asyncio.get_running_loop().call_later(0.05, self.stopping.set)
         return {}
+
+
+def _kill(proc) -> int:
+    """SIGKILL an engine (works on a stopped process, unlike SIGTERM: a vLLM server's
+    whole process group) and reap it; the exit code."""
+    if hasattr(proc, "pids"):  # vLLM: a supervisor leading its own process group
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    elif proc.popen.poll() is None:
+        proc.popen.kill()
+    return proc.popen.wait(30)
 
 
 def _merge(results: list[dict], *, how) -> dict:
