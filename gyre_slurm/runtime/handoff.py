@@ -50,15 +50,50 @@ async def _guard(coord, fn, cells: list[int], wait: bool) -> None:
     try:
         await fn(coord, cells, wait=wait)
     except Exception as exc:  # noqa: BLE001 - a failed handoff stops the job, loudly
-        if await recovery.lost_during(coord, cells, exc):
-            coord.rd.event("handoff_abandoned", cells=cells,
-                           error=f"{type(exc).__name__}: {exc}"[:500])
+        verdict = await recovery.lost_during(coord, cells, exc)
+        error = f"{type(exc).__name__}: {exc}"[:500]
+        if verdict == "abandon":
+            coord.rd.event("handoff_abandoned", cells=cells, error=error)
             return
+        if verdict == "resume":
+            coord.rd.event("handoff_resumed", cells=cells, error=error)
+            try:
+                await _finish_without_lost(coord, fn, cells)
+                return
+            except Exception as again:  # noqa: BLE001 - as below
+                exc = again
         log.exception("handoff of cells %s failed", cells)
         coord.rd.event("handoff_failed", cells=cells, error=f"{type(exc).__name__}: {exc}")
         coord.failure = exc
     finally:
         coord.busy_cells.difference_update(cells)
+
+
+async def _finish_without_lost(coord, fn, cells: list[int]) -> None:
+    """A node the handoff needed was lost: its cells that are left (all loading: only
+    the engine release, the rebuild and the engine start talk to nodes) finish it, in a
+    world rebuilt without the lost node (`recovery.rebuild_without_lost`)."""
+    from gyre_slurm.runtime import recovery
+    from gyre_slurm.sched.cells import Role as R
+
+    t0 = time.monotonic()
+    live = [c for c in cells if coord.table[c].role is R.LOADING]
+    moving = {n for c in live for n in coord.nodes_of(c)}
+    async with coord.world.lock:
+        await recovery.rebuild_without_lost(coord)
+        if fn is to_train_cells:
+            new = (set(coord.world.nodes) | moving) - recovery.failed_nodes(coord)
+        else:
+            new = set(coord.world.nodes) - moving
+        await coord.world.rebuild(sorted(new))
+    if fn is to_rollout_cells:
+        await asyncio.gather(*(bring_up_engine(coord, c) for c in live
+                               if not coord.engine_clients.get(c)))
+    for c in live:
+        coord.table.finish_handoff(c, now_s=time.time() - coord.t0)
+    coord.rd.event("handoff", direction="rollout->train" if fn is to_train_cells
+                   else "train->rollout", cells=live, resumed=True,
+                   total_s=time.monotonic() - t0, drain_s=0.0, rebuild_s=0.0)
 
 
 def server_ids(coord, cell: int) -> list[str]:

@@ -95,7 +95,8 @@ def fail_cell(coord, cell: int, *, reason: str) -> None:
                    floors=[c.cell_id for c in coord.table.cells if c.standalone])
     for sid in list(coord.engine_clients.get(cell, {})):
         _spawn(coord, _retire_server(coord, cell, sid))
-    if any(n in coord.world.nodes for n in coord.nodes_of(cell)):
+    world = set(coord.world.nodes) | set(coord.world.members)
+    if any(n in world for n in coord.nodes_of(cell)):
         _spawn(coord, _drop_from_world(coord))
     check_can_continue(coord)
 
@@ -106,17 +107,24 @@ def failed_nodes(coord) -> set[int]:
             for n in coord.nodes_of(c.cell_id)}
 
 
-async def lost_during(coord, cells: list[int], exc: BaseException) -> bool:
-    """A handoff of `cells` failed with `exc`: True when that was a loss of those cells
-    (each of them failed, by now or by the heartbeat verdict within `agent_lost_s`)."""
+async def lost_during(coord, cells: list[int], exc: BaseException) -> str | None:
+    """A handoff of `cells` failed with `exc`. "abandon" when that was the loss of those
+    cells (each of them failed), "resume" when a node was lost that the handoff needed
+    (one of its cells, or a member of the world it rebuilt): the rest of it can be done
+    again without that node; None when no loss explains it (by now, or by the heartbeat
+    verdict within `agent_lost_s`)."""
     if isinstance(exc, AgentUnreachable) and exc.node is not None:
         node_lost(coord, exc.node, reason=str(exc))
     deadline = time.monotonic() + coord.cfg.runtime.agent_lost_s + 2.0
-    while time.monotonic() < deadline:
+    while True:
         if all(coord.table[c].role is Role.FAILED for c in cells):
-            return True
+            return "abandon"
+        world = set(coord.world.members) | set(coord.world.nodes)
+        if any(coord.table[c].role is Role.FAILED for c in cells) or world & coord.lost:
+            return "resume"
+        if time.monotonic() > deadline:
+            return None
         await asyncio.sleep(0.2)
-    return False
 
 
 def check_can_continue(coord) -> None:
