@@ -119,35 +119,6 @@ def test_killed_node_agents_fail_their_cells_and_the_job_finishes(tmp_path):
         assert e["new_run_id"].startswith(e["run_id"].split("-a")[0] + "-a")
 
 
-@pytest.mark.slow
-def test_a_node_lost_while_cells_move_leaves_the_elastic_job_whole(tmp_path):
-    """The elastic policy moves cells both ways (as in test_runtime_e2e's
-    test_elastic_moves_cells_both_ways) while node 2's agent is SIGKILLed, whatever
-    its cell is doing then: in either role, or mid-handoff. The cell fails, the floors
-    still hold, the job finishes with nothing lost or repeated. (Killed in the very
-    moment of a world join, the other joiners wait out the rendezvous timeout, 120 s,
-    before the world is rebuilt without it: the slow path this test may take.)"""
-    run_dir = tmp_path / "run"
-    num_steps = 6
-    proc = start_run(run_dir, f"workload.num_steps={num_steps}", "scheduler.policy=elastic",
-                     "scheduler.forecast=false", "scheduler.hysteresis=0",
-                     "runtime.policy_interval_s=0.2")
-    try:
-        faults.wait_event(run_dir, "handoff", timeout_s=90)
-        time.sleep(1.0)  # not in step with the policy's ticks
-        assert faults.kill(faults.agent_pid(run_dir, 2))
-        failed = faults.wait_event(run_dir, "cell_failed", cell=2, timeout_s=20)
-    finally:
-        finish(proc, run_dir)
-    events = check_run_dir(run_dir, num_steps=num_steps)
-    status = faults.status(run_dir)
-    assert status["cells"][2]["role"] == "failed", status["cells"]
-    roles = [c["role"] for c in status["cells"]]
-    assert roles[0] == "rollout" and "train" in roles  # the floors (min 1 each) hold
-    later = [e for e in events if e["kind"] == "microbatch" and e["t"] > failed["t"] + 1]
-    assert all(2 not in e["members"] for e in later)
-
-
 # -- 2. a rollout engine crashed or hung ---------------------------------------------------
 @pytest.mark.slow
 def test_crashed_and_hung_engines_are_restarted_on_their_cells(tmp_path):
@@ -155,7 +126,7 @@ def test_crashed_and_hung_engines_are_restarted_on_their_cells(tmp_path):
     finds each, the node agent kills what is left and starts a new engine on the same
     cell after a backoff, and the job finishes with every cell still serving."""
     run_dir = tmp_path / "run"
-    num_steps = 5
+    num_steps = 10  # the job outlasts both restarts (~6 s to notice a hang, ~5 s to restart)
     proc = start_run(run_dir, f"workload.num_steps={num_steps}")
     try:
         faults.wait_for(lambda: running_runs(run_dir), timeout_s=90, what="runs running")

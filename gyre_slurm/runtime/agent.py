@@ -309,6 +309,24 @@ class NodeAgent:
             for _ in range(self.cfg.ranks_per_node)])
         return results[0]
 
+    async def cmd_reset_trainer(self) -> dict:
+        """Drop this node's training state (the coordinator restores it from the last
+        checkpoint), even while a collective or a world join waits for a member that
+        died: rank processes are killed (the next command starts new ones). The
+        in-process worker leaves after the command it runs: a blocked wait ends at the
+        rendezvous timeout (train/dist.py; the process's one store client is busy until
+        then anyway, and a second thread would race the first on imports)."""
+        if self.in_process_trainer:
+            await self._train("leave", {})
+            return {}
+        ranks, self.ranks, self._ranks_started = self.ranks, None, None
+        if ranks is not None:
+            for proc in ranks.procs:  # no goodbye: a blocked rank would not hear it
+                if proc.returncode is None:
+                    proc.kill()
+            await ranks.stop(timeout_s=5.0)
+        return {}
+
     async def cmd_save(self, *, path: str) -> dict:
         await self._train("save", {"path": path})
         return {}

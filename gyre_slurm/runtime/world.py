@@ -15,7 +15,8 @@ more arrive (`nodes` lists them all, `members` those in the world).
 
 A lost member (its node agent died: `drop`) cannot flush: its share of the step's
 accumulated gradient is gone, and a collective it was in may have failed half-way (an
-optimizer step applied by some members only). So the survivors leave too, and the new
+optimizer step applied by some members only, or a join that waits for it). So the
+survivors drop their state too (`reset_trainer`: at once, even while blocked), and the new
 world — the training nodes that are left — starts from the state of the last optimizer
 step, read from the checkpoint taken right after it (or the initial weights before the
 first step); the coordinator trains the step's micro-batches again (`StepBook.rewind_step`).
@@ -137,8 +138,8 @@ class TrainWorld:
         if not gone & set(self.members):
             self.nodes = [n for n in self.nodes if n not in gone]
             return await self.rebuild(rest)
-        survivors = [n for n in self.members if n not in gone]
-        await asyncio.gather(*(self.agents[n].post("/cmd/leave") for n in survivors))
+        survivors = [n for n in self.members if n not in gone]  # may wait on the lost one
+        await asyncio.gather(*(self.agents[n].post("/cmd/reset_trainer") for n in survivors))
         self.members, self.nodes = [], []
         self.handover = restore
         timings = await self.rebuild(rest)
