@@ -144,37 +144,3 @@ def test_long_horizon_runs_compact_into_branches_that_all_train(tmp_path):
     per_run = Counter(rid for rid, _ in trained_trajectories(run_dir))
     assert max(per_run.values()) > 1  # compaction made real branches
     assert max(per_run.values()) <= 5  # K
-
-
-def test_a_lost_node_agent_is_noticed_within_seconds(tmp_path):
-    run_dir = tmp_path / "lost"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    args = [sys.executable, "-m", "gyre_slurm", "run", str(ROOT / "configs" / "tiny.yaml"),
-            "--run-dir", str(run_dir)]
-    for item in FAST + ["workload.num_steps=50",
-                        "runtime.env_params={tool_mean_s: 2.0, tool_sigma: 0.1, tool_max_s: 3.0}"]:
-        args += ["--set", item]
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        deadline = time.time() + 180
-        pid = None
-        while time.time() < deadline and pid is None:
-            status = run_dir / "status.json"
-            if status.exists() and json.loads(status.read_text())["runs"]["running"] > 0:
-                pid = next(e["pid"] for e in read_jsonl(run_dir / "events.jsonl")
-                           if e["kind"] == "agent_registered" and e["node"] == 3)
-            time.sleep(0.2)
-        assert pid is not None, "the run never got going"
-        os.kill(pid, signal.SIGKILL)
-        killed_at = time.time()
-        _, stderr = proc.communicate(timeout=60)
-        noticed_s = time.time() - killed_at
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0
-    assert noticed_s < 15, noticed_s
-    lost = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "agent_lost"]
-    assert lost and lost[0]["node"] == 3
-    assert "agent-node4.log" in stderr

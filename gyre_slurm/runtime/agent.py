@@ -182,6 +182,27 @@ class NodeAgent:
             await asyncio.gather(*(client.release() for _, client in self.engines))
         return {"engine_release_s": time.monotonic() - t0}
 
+    async def cmd_restart_engine(self, *, server: int, version: int,
+                                 backoff_s: float = 0.0) -> dict:
+        """Replace server `server`'s engine (crashed, or hung: the coordinator's health
+        check says which): SIGKILL the old process (a stopped one too), wait `backoff_s`,
+        start a new one at `version` (on a new port)."""
+        if not 0 <= server < len(self.engines):
+            raise ValueError(f"node {self.node_index} runs {len(self.engines)} engine "
+                             f"servers, not server {server}")
+        t0 = time.monotonic()
+        proc, client = self.engines[server]
+        await client.close()
+        exit_code = await asyncio.to_thread(_kill, proc)
+        log.warning("engine s%d (pid %d) killed for a restart (exit code %s); restarting "
+                    "in %.1f s", server, proc.pid, exit_code, backoff_s)
+        await asyncio.sleep(backoff_s)
+        new = await asyncio.to_thread(self._start_one, server, version)
+        self.engines[server] = (new, self._client(new))
+        return {"base_url": new.base_url, "engine_kind": self.cfg.rollout.engine,
+                "version": version, "exit_code": exit_code, "pid": new.pid,
+                "engine_start_s": time.monotonic() - t0}
+
     async def shutdown_engine(self) -> None:
         engines, self.engines = self.engines, []
         for proc, client in engines:
@@ -288,6 +309,24 @@ class NodeAgent:
             for _ in range(self.cfg.ranks_per_node)])
         return results[0]
 
+    async def cmd_reset_trainer(self) -> dict:
+        """Drop this node's training state (the coordinator restores it from the last
+        checkpoint), even while a collective or a world join waits for a member that
+        died: rank processes are killed (the next command starts new ones). The
+        in-process worker leaves after the command it runs: a blocked wait ends at the
+        rendezvous timeout (train/dist.py; the process's one store client is busy until
+        then anyway, and a second thread would race the first on imports)."""
+        if self.in_process_trainer:
+            await self._train("leave", {})
+            return {}
+        ranks, self.ranks, self._ranks_started = self.ranks, None, None
+        if ranks is not None:
+            for proc in ranks.procs:  # no goodbye: a blocked rank would not hear it
+                if proc.returncode is None:
+                    proc.kill()
+            await ranks.stop(timeout_s=5.0)
+        return {}
+
     async def cmd_save(self, *, path: str) -> dict:
         await self._train("save", {"path": path})
         return {}
@@ -298,6 +337,19 @@ class NodeAgent:
     async def cmd_shutdown(self) -> dict:
         asyncio.get_running_loop().call_later(0.05, self.stopping.set)
         return {}
+
+
+def _kill(proc) -> int:
+    """SIGKILL an engine (works on a stopped process, unlike SIGTERM: a vLLM server's
+    whole process group) and reap it; the exit code."""
+    if hasattr(proc, "pids"):  # vLLM: a supervisor leading its own process group
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    elif proc.popen.poll() is None:
+        proc.popen.kill()
+    return proc.popen.wait(30)
 
 
 def _merge(results: list[dict], *, how) -> dict:

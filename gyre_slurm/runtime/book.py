@@ -9,8 +9,15 @@ advantage of a run is its reward minus the mean reward of the group's ok runs
 micro-batches by a token budget. Step k is complete when every run of batch k has ended
 and every trajectory handed out has been trained; then the optimizer steps.
 
-A run interrupted by a coordinator stop (resume) restarts as a new attempt: its run id
-gets `-a<N>`; the interrupted attempt's partial calls stay in the store, never trained.
+A run interrupted by a coordinator stop (resume), or by the failure of the rollout server
+under one of its calls (a crashed or hung engine, a lost node), restarts as a new attempt:
+its run id gets `-a<N>`; the interrupted attempt's partial calls stay in the store, never
+trained.
+
+A training member lost mid-step takes its share of the step's accumulated gradient with
+it: the step is rewound (`rewind_step`): every micro-batch of it trained so far (and the
+one that failed) is trained again, in the same order and under the same stream index, on
+the rebuilt world, which restarts from the state of the last optimizer step.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ class StepState:
     trained: int = 0
     trained_tokens: int = 0
     trained_runs: list[str] = field(default_factory=list)
+    batches: list = field(default_factory=list)  # (stream index, micro-batch) trained
+    redo: deque = field(default_factory=deque)  # (stream index, micro-batch) to train again
 
 
 def run_id_of(step: int, prompt: int, member: int, attempt: int = 0) -> str:
@@ -137,8 +146,29 @@ class StepBook:
         state.handed_out += len(out)
         return out
 
-    def trained(self, batch: list[dict]) -> None:
+    def next_redo(self) -> tuple[int, list[dict]] | None:
+        """A micro-batch of a rewound step to train again (its stream index, itself)."""
+        if self.version >= self.num_steps or not self.steps[self.version].redo:
+            return None
+        return self.steps[self.version].redo.popleft()
+
+    def rewind_step(self, unfinished: tuple[int, list[dict]] | None = None) -> int:
+        """The current step's gradients were lost: every micro-batch trained so far (and
+        `unfinished`, one handed out whose training failed) is trained again. Returns
+        how many micro-batches will be trained again."""
+        if self.version >= self.num_steps:
+            return 0  # every step is trained: nothing to do again
         state = self.steps[self.version]
+        again = list(state.batches) + list(state.redo) + ([unfinished] if unfinished else [])
+        again.sort(key=lambda item: item[0])
+        state.redo = deque(again)
+        state.batches, state.trained_runs = [], []
+        state.trained = state.trained_tokens = 0
+        return len(again)
+
+    def trained(self, batch: list[dict], *, index: int | None = None) -> None:
+        state = self.steps[self.version]
+        state.batches.append((index, batch))
         state.trained += len(batch)
         state.trained_tokens += sum(sum(t["loss_mask"]) for t in batch)
         state.trained_runs.extend(t["run_id"] for t in batch)
@@ -148,10 +178,12 @@ class StepBook:
             return False
         state = self.steps[self.version]
         ended = all(self.runs[r].state not in ("pending", "running") for r in state.runs)
-        return ended and not state.ready and state.trained == state.handed_out
+        return (ended and not state.ready and not state.redo
+                and state.trained == state.handed_out)
 
     def step_done(self) -> int:
         """The optimizer stepped: the policy version advances. Returns the new version."""
+        self.steps[self.version].batches = []  # never trained again
         self.version += 1
         return self.version
 

@@ -10,6 +10,16 @@ within the batch, staleness and capacity budget: `rollouts`), and the training l
 (streaming micro-batches, one optimizer step per batch, new weights published and
 loaded by every rollout server, a checkpoint after each step). `status.json` is
 rewritten about once a second; everything that happens lands in `events.jsonl`.
+
+Faults it survives (`gyre_slurm.runtime.recovery` has the rules): a node agent that
+stops answering (heartbeats silent for `runtime.agent_lost_s`, or its port closed) has
+its cell marked `failed`; the runs on that cell's servers continue on other servers (a
+run whose call was in flight there restarts as a new attempt); the training world is
+rebuilt without it and the step's micro-batches are trained again from the state after
+the last optimizer step. A crashed or hung rollout engine (a failed health check) is
+restarted by its node agent on the same cell. The job stops only when no cell is left
+that could roll out or train. A killed coordinator is restarted by `gyre run --resume`
+(under Slurm the batch script requeues the job, which resumes).
 """
 
 from __future__ import annotations
@@ -29,7 +39,8 @@ from aiohttp import web
 from gyre_slurm.config.schema import GyreConfig
 from gyre_slurm.models import tiny
 from gyre_slurm.runtime.book import StepBook
-from gyre_slurm.runtime.control import AgentUnreachable, ControlClient, make_app
+from gyre_slurm.runtime import recovery
+from gyre_slurm.runtime.control import AgentUnreachable, CommandError, ControlClient, make_app
 from gyre_slurm.runtime.launcher import make_launcher
 from gyre_slurm.runtime.rollouts import RolloutManager
 from gyre_slurm.runtime.rundir import RunDir
@@ -63,6 +74,10 @@ class Coordinator:
         self.addr0 = self.launcher.coordinator_addr()  # node 0's own address
         self.agents: dict[int, ControlClient] = {}
         self.heartbeats: dict[int, float] = {}
+        self.lost: set[int] = set()  # nodes whose agents were lost (recovery.node_lost)
+        self.engine_restarts: dict[str, int] = {}  # server id -> restarts so far
+        self.resume_state = None
+        self.training_now = None  # (stream index, micro-batch) being trained
         self.registered = asyncio.Event()
         self.engine_clients: dict = {}  # cell -> {gateway server id: its engine client}
         self.table: CellTable | None = None
@@ -139,7 +154,8 @@ class Coordinator:
 
     async def on_heartbeat(self, request: web.Request) -> web.Response:
         body = await request.json()
-        self.heartbeats[int(body["node"])] = time.monotonic()
+        if int(body["node"]) not in self.lost:  # a lost agent stays lost
+            self.heartbeats[int(body["node"])] = time.monotonic()
         return web.json_response({})
 
     def nodes_of(self, cell: int) -> list[int]:
@@ -184,9 +200,9 @@ class Coordinator:
                 checkpoint.replay_runs(self)
             await self.lay_out()
             self.rd.event("start", policy=self.policy.name, version=self.book.version,
-                          resume=self.resume)
+                          resume=self.resume, pid=os.getpid())
             loops = [self.policy_loop(), self.training_loop(), self.status_loop(),
-                     self.watch_agents()]
+                     self.watch_agents(), recovery.watch_engines(self)]
             tasks = [asyncio.create_task(c) for c in loops]
             training, done = tasks[1], set()
             try:
@@ -253,7 +269,8 @@ class Coordinator:
                 raise self.failure
             self.rollouts.fill(self.capacity())
             decisions = [d for d in self.policy.decide(self.observe())
-                         if d.cell_id not in self.busy_cells]
+                         if d.cell_id not in self.busy_cells
+                         and self.table[d.cell_id].role is not Role.FAILED]
             for d in decisions:
                 fields = d.as_event(time.time() - self.t0)
                 fields.pop("kind")
@@ -269,23 +286,36 @@ class Coordinator:
         rt = self.cfg.runtime
         while not self.book.done():
             async with self.world.lock:
-                trained = await self.train_one() if self.world.members else False
-                if not trained and self.world.members and self.book.step_complete():
-                    await self.finish_step()
-                    if self.book.version % rt.checkpoint_every_steps == 0 or self.book.done():
-                        await checkpoint.save(self)
+                try:
+                    trained = await self.train_one() if self.world.members else False
+                    if not trained and self.world.members and self.book.step_complete():
+                        await self.finish_step()
+                        if (self.book.version % rt.checkpoint_every_steps == 0
+                                or self.book.done()):
+                            await checkpoint.save(self)
+                        continue
+                except CommandError as exc:  # a member lost? then rebuild and rewind
+                    unfinished, self.training_now = self.training_now, None
+                    await recovery.after_training_error(self, exc, unfinished)
                     continue
             if not trained:
                 await asyncio.sleep(0.05)
 
     async def train_one(self) -> bool:
-        batch = self.book.next_microbatch(max_tokens=int(self.cfg.training.microbatch_tokens))
-        if not batch:
-            return False
         step = self.book.version
-        index = self.book.steps[step].handed_out
+        again = self.book.next_redo()  # a rewound step's micro-batch: same file, again
+        if again is not None:
+            index, batch = again
+        else:
+            batch = self.book.next_microbatch(
+                max_tokens=int(self.cfg.training.microbatch_tokens))
+            if not batch:
+                return False
+            index = self.book.steps[step].handed_out
+        self.training_now = (index, batch)
         t0 = time.monotonic()
         stats = await self.world.train_microbatch(batch, self.rd.stream_file(step, index))
+        self.training_now = None
         tokens = sum(len(t["token_ids"]) for t in batch)
         pace = self.cfg.trainer.pace_node_tokens_per_s
         if pace:  # emulated accelerators: see TrainerConfig.pace_node_tokens_per_s
@@ -295,10 +325,10 @@ class Coordinator:
         dt = time.monotonic() - t0
         cells = max(1, len(self.world.members) // self.cfg.cluster.cell_nodes)
         self.train_rate.append(tokens / max(dt, 1e-6) / cells)
-        self.book.trained(batch)
+        self.book.trained(batch, index=index)
         self.rd.event("microbatch", step=step, index=index, runs=[t["run_id"] for t in batch],
                       tokens=tokens, members=list(self.world.members), seconds=dt,
-                      stats=stats)
+                      stats=stats, again=again is not None)
         return True
 
     async def finish_step(self) -> None:
@@ -390,14 +420,16 @@ class Coordinator:
             await asyncio.sleep(self.cfg.runtime.status_interval_s)
 
     async def watch_agents(self) -> None:
+        """A node agent silent for `runtime.agent_lost_s` is lost: its cell fails and the
+        job goes on without it (`recovery.node_lost`)."""
         lost_s = self.cfg.runtime.agent_lost_s
         while True:
+            if self.failure is not None:
+                raise self.failure
             now = time.monotonic()
-            for node, beat in self.heartbeats.items():
+            for node, beat in list(self.heartbeats.items()):
                 if now - beat > lost_s:
-                    self.rd.event("agent_lost", node=node, silent_s=now - beat)
-                    raise AgentLost(f"node agent {node} silent for {now - beat:.1f}s; "
-                                    f"see {self.launcher.agent_log(node)}")
+                    recovery.node_lost(self, node, reason=f"silent for {now - beat:.1f}s")
             await asyncio.sleep(0.5)
 
 

@@ -10,6 +10,11 @@ finishes its current micro-batch (the world lock: `drain_s`); the world is rebui
 without the cell (`rebuild_s`); the engine resumes with the current policy version and
 is added to the gateway (`engine_start_s`). Decisions of one tick that go the same way
 are executed together: one drain wait, one rebuild.
+
+Faults (`recovery`): nodes of failed cells never join a world. A handoff that fails
+because its cells were lost (each of them marked failed) ends there; the job goes on
+(`handoff_abandoned`). A handoff that fails otherwise (among them: a node lost while
+OTHER cells moved with it) stops the job, loudly; `--resume` continues it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from gyre_slurm.sched.cells import Role
 from gyre_slurm.sched.types import Decision
 
 log = logging.getLogger(__name__)
+LOAD_TIMEOUT_S = 120.0  # a server that has not loaded new weights by then is restarted
 
 
 def start(coord, decisions: list[Decision]) -> None:
@@ -39,14 +45,55 @@ def start(coord, decisions: list[Decision]) -> None:
 
 
 async def _guard(coord, fn, cells: list[int], wait: bool) -> None:
+    from gyre_slurm.runtime import recovery
+
     try:
         await fn(coord, cells, wait=wait)
     except Exception as exc:  # noqa: BLE001 - a failed handoff stops the job, loudly
+        verdict = await recovery.lost_during(coord, cells, exc)
+        error = f"{type(exc).__name__}: {exc}"[:500]
+        if verdict == "abandon":
+            coord.rd.event("handoff_abandoned", cells=cells, error=error)
+            return
+        if verdict == "resume":
+            coord.rd.event("handoff_resumed", cells=cells, error=error)
+            try:
+                await _finish_without_lost(coord, fn, cells)
+                return
+            except Exception as again:  # noqa: BLE001 - as below
+                exc = again
         log.exception("handoff of cells %s failed", cells)
         coord.rd.event("handoff_failed", cells=cells, error=f"{type(exc).__name__}: {exc}")
         coord.failure = exc
     finally:
         coord.busy_cells.difference_update(cells)
+
+
+async def _finish_without_lost(coord, fn, cells: list[int]) -> None:
+    """A node the handoff needed was lost: its cells that are left (all loading: only
+    the engine release, the rebuild and the engine start talk to nodes) finish it, in a
+    world rebuilt without the lost node (`recovery.rebuild_without_lost`)."""
+    from gyre_slurm.runtime import recovery
+    from gyre_slurm.sched.cells import Role as R
+
+    t0 = time.monotonic()
+    live = [c for c in cells if coord.table[c].role is R.LOADING]
+    moving = {n for c in live for n in coord.nodes_of(c)}
+    async with coord.world.lock:
+        await recovery.rebuild_without_lost(coord)
+        if fn is to_train_cells:
+            new = (set(coord.world.nodes) | moving) - recovery.failed_nodes(coord)
+        else:
+            new = set(coord.world.nodes) - moving
+        await coord.world.rebuild(sorted(new))
+    if fn is to_rollout_cells:
+        await asyncio.gather(*(bring_up_engine(coord, c) for c in live
+                               if not coord.engine_clients.get(c)))
+    for c in live:
+        coord.table.finish_handoff(c, now_s=time.time() - coord.t0)
+    coord.rd.event("handoff", direction="rollout->train" if fn is to_train_cells
+                   else "train->rollout", cells=live, resumed=True,
+                   total_s=time.monotonic() - t0, drain_s=0.0, rebuild_s=0.0)
 
 
 def server_ids(coord, cell: int) -> list[str]:
@@ -83,13 +130,26 @@ async def bring_up_engine(coord, cell: int) -> float:
 async def load_weights_everywhere(coord, version: int) -> None:
     """Every serving engine loads the new policy in place, between calls, through the
     gateway's own client (the one that records which version answered each call)."""
+    from gyre_slurm.runtime import recovery
+
     cells = [c for c in coord.engine_clients if c not in coord.busy_cells and
              coord.table[c].role is Role.ROLLOUT]
     t0 = time.monotonic()
     path = str(tiny.weights_dir(coord.rd.path, version))
-    await asyncio.gather(*(client.load_weights(path, version) for c in cells
-                           for client in coord.engine_clients[c].values()))
-    coord.rd.event("weights_loaded", version=version, cells=cells,
+    servers = [(c, sid, client) for c in cells
+               for sid, client in list(coord.engine_clients[c].items())]
+    results = await asyncio.gather(*(
+        asyncio.wait_for(client.load_weights(path, version), LOAD_TIMEOUT_S)
+        for _, _, client in servers), return_exceptions=True)
+    failed = []
+    for (c, sid, _), res in zip(servers, results):
+        if isinstance(res, BaseException):  # it must not serve the old version on
+            failed.append(sid)
+            if sid in coord.gateway.server_load():
+                coord.gateway.drain_server(sid)
+            recovery.request_restart(coord, c, sid, reason=f"weight load failed: "
+                                     f"{type(res).__name__}: {res}")
+    coord.rd.event("weights_loaded", version=version, cells=cells, failed=failed,
                    seconds=time.monotonic() - t0)
 
 
@@ -111,8 +171,11 @@ async def to_train_cells(coord, cells: list[int], *, wait: bool) -> None:
     await asyncio.gather(*(coord.agents[n].post("/cmd/release_engine")
                            for c in cells for n in coord.nodes_of(c)))
     phases["engine_release_s"] = time.monotonic() - t1
+    from gyre_slurm.runtime.recovery import failed_nodes
+
     async with coord.world.lock:
-        new = sorted(set(coord.world.nodes) | {n for c in cells for n in coord.nodes_of(c)})
+        new = sorted((set(coord.world.nodes) | {n for c in cells for n in coord.nodes_of(c)})
+                     - failed_nodes(coord))
         phases.update(await coord.world.rebuild(new))
     for c in cells:
         coord.table.finish_handoff(c, now_s=time.time() - coord.t0)

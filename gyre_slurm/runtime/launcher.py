@@ -1,5 +1,6 @@
 """Launchers start one node agent per node, with one interface: `start(coordinator_url)`,
-`stop()`, `node_names()`, `coordinator_addr()`, `agent_log(i)`.
+`stop()`, `node_names()`, `coordinator_addr()`, `agent_log(i)`, `lost(i)` (node i's
+agent is lost: whatever of it still runs is ended, as if the node had gone down).
 
 - `LocalLauncher` runs them as local processes ("virtual nodes"), node i bound to its
   own loopback address (`runtime.node_addr_prefix` + (i + 1)), as a real node would be.
@@ -65,6 +66,21 @@ class LocalLauncher:
             self.nodes.append(NodeProcess(i, self.addr(i), proc))
         log.info("started %d node agents", self.num_nodes)
 
+    def lost(self, index: int) -> None:
+        """Kill what is left of a lost virtual node (its engines and rank processes share
+        the agent's process group) and reap the agent: a zombie agent would keep its
+        engine's parent-pid watch believing it alive."""
+        for node in self.nodes:
+            if node.index == index:
+                try:
+                    os.killpg(node.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                try:
+                    node.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    log.warning("agent of node %d did not exit after SIGKILL", index)
+
     def stop(self, *, timeout_s: float = 15.0) -> None:
         for node in self.nodes:
             if node.alive():
@@ -127,6 +143,10 @@ class SlurmLauncher:
                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
         logf.close()
         log.info("srun step started for %d node agents on %s", self.num_nodes, self.names)
+
+    def lost(self, index: int) -> None:
+        """Nothing to do here: a lost node's processes died with it (or exit once their
+        coordinator stops answering them), and Slurm ends the step's tasks at the end."""
 
     def stop(self, *, timeout_s: float = 30.0) -> None:
         if self.step is None or self.step.poll() is not None:

@@ -6,21 +6,32 @@ an unmodified OpenAI client would. When it ends, its run record is appended to
 `runs/runs.jsonl`; an ok run's calls are read back from the call store, rebuilt into a
 prefix tree and cut into at most K trajectories (`gyre_slurm.traj`), and the ledger
 releases its group for training once the whole group has ended.
+
+A run whose model call failed because of the rollout server under it (the gateway
+answered 502: the engine crashed, hung and was killed, or its node was lost; or 503: no
+server became available) was interrupted, not failed: it restarts as a new attempt
+(`StepBook.restart`, `<run_id>-a<N>`) after `RUN_RESTART_BACKOFF_S`, at most
+`MAX_RUN_ATTEMPTS` attempts in all (the last one's failure is recorded). The interrupted
+attempt gets no run record; its partial calls stay in the store, never trained.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from pathlib import Path
 
 from gyre_slurm.config.schema import GyreConfig
 from gyre_slurm.runtime.book import StepBook
 from gyre_slurm.runtime.fsio import append_jsonl
+from gyre_slurm.runtime.recovery import MAX_RUN_ATTEMPTS, RUN_RESTART_BACKOFF_S
 from gyre_slurm.runtime.rundir import RunDir
 
 log = logging.getLogger(__name__)
+
+SERVER_FAILED = re.compile(r"^HTTP 50[23]\b")
 
 
 class RolloutManager:
@@ -31,6 +42,7 @@ class RolloutManager:
         self.flush_calls = flush_calls  # makes the gateway's recorded calls readable
         self.tasks: dict[str, asyncio.Task] = {}
         self.started_at: dict[str, float] = {}
+        self.not_before: dict[str, float] = {}  # restarted runs wait out a backoff
         self._buffer = None
         self._tasks_cache: dict[int, list] = {}
         from gyre_slurm.envs import make_env
@@ -55,10 +67,13 @@ class RolloutManager:
 
     def fill(self, capacity: int) -> int:
         """Start pending runs while servers have room. Returns how many started."""
-        started = 0
+        started, now = 0, time.time()
         for entry in self.book.pending():
             if len(self.tasks) >= capacity:
                 break
+            if self.not_before.get(entry.run_id, 0.0) > now:
+                continue
+            self.not_before.pop(entry.run_id, None)
             self.book.start(entry.run_id)
             append_jsonl(self.started_file, {"run_id": entry.run_id, "t": time.time()})
             self.started_at[entry.run_id] = time.time()
@@ -98,7 +113,25 @@ class RolloutManager:
         finally:
             await env.close()
         record.update(step=entry.step, prompt=entry.prompt, member=entry.member)
-        self.finish(entry.run_id, record)
+        if (record["status"] == "failed" and SERVER_FAILED.match(record.get("error") or "")
+                and entry.attempt + 1 < MAX_RUN_ATTEMPTS):
+            self.restart(entry.run_id, reason=record["error"])
+        else:
+            self.finish(entry.run_id, record)
+
+    def restart(self, run_id: str, *, reason: str) -> str:
+        """The run was interrupted by a server failure: a new attempt, after a backoff."""
+        self.tasks.pop(run_id, None)
+        self.started_at.pop(run_id, None)
+        if self.gateway is not None:
+            self.gateway.end_run(run_id)
+        if self._buffer is not None:  # its partial calls are never trained
+            self._buffer.poll()
+            self._buffer.take(run_id)
+        new_id = self.book.restart(run_id)
+        self.not_before[new_id] = time.time() + RUN_RESTART_BACKOFF_S
+        self.rd.event("run_restarted", run_id=run_id, new_run_id=new_id, reason=reason[:300])
+        return new_id
 
     def finish(self, run_id: str, record: dict) -> None:
         """Record a run's end (also used on resume for runs that ended before a stop)."""

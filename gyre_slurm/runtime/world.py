@@ -13,6 +13,14 @@ i*R .. i*R+R-1). A world holds whole replicas (`replica_nodes` nodes each, TP x 
 ranks): training nodes beyond the last whole replica wait, outside the world, until
 more arrive (`nodes` lists them all, `members` those in the world).
 
+A lost member (its node agent died: `drop`) cannot flush: its share of the step's
+accumulated gradient is gone, and a collective it was in may have failed half-way (an
+optimizer step applied by some members only, or a join that waits for it). So the
+survivors drop their state too (`reset_trainer`: at once, even while blocked), and the new
+world — the training nodes that are left — starts from the state of the last optimizer
+step, read from the checkpoint taken right after it (or the initial weights before the
+first step); the coordinator trains the step's micro-batches again (`StepBook.rewind_step`).
+
 Resharding backends (Megatron: a model sharded TP x PP) cannot broadcast their state
 into another layout: at every rebuild the old world saves a `dist_checkpointing`
 checkpoint together (model, optimizer, version and the gradients accumulated so far),
@@ -117,6 +125,25 @@ class TrainWorld:
         if (self.reshard and previous is not None and previous != self.handover
                 and previous.parent == self.run_dir / "trainer_state"):
             shutil.rmtree(previous, ignore_errors=True)  # the new world stands without it
+        return timings
+
+    async def drop(self, lost: list[int], *, restore: Path | None) -> dict:
+        """Rebuild without the `lost` nodes (callers hold `lock`). If one of them was a
+        member, every survivor leaves and the new world loads `restore` (the state after
+        the last optimizer step; None: `init_weights` and a fresh optimizer, before the
+        first step). Returns timings, with `restarted: True` when the step's gradients
+        were dropped."""
+        gone = set(lost)
+        rest = [n for n in self.nodes if n not in gone]
+        if not gone & set(self.members):
+            self.nodes = [n for n in self.nodes if n not in gone]
+            return await self.rebuild(rest)
+        survivors = [n for n in self.members if n not in gone]  # may wait on the lost one
+        await asyncio.gather(*(self.agents[n].post("/cmd/reset_trainer") for n in survivors))
+        self.members, self.nodes = [], []
+        self.handover = restore
+        timings = await self.rebuild(rest)
+        timings["restarted"] = True
         return timings
 
     async def train_microbatch(self, batch: list[dict], path: Path) -> dict:

@@ -6,6 +6,13 @@ call, run record and checkpoint on disk). Only the coordinator requeues, with
 (`SLURM_RESTART_COUNT`) is below `GYRE_MAX_REQUEUES` (default 10): a countdown that
 bounds endless requeues after repeated timeouts. The requeued batch script sees the run
 dir's config.yaml and runs `gyre run --resume`.
+
+A coordinator killed by a signal (SIGKILL, the OOM killer, a segfault) cannot requeue:
+the batch script (sbatch/gyre.sbatch) sees its child end with rc 128+N, and when it did
+not pass that signal on itself, it requeues the job with the same countdown
+(SLURM_RESTART_COUNT below GYRE_MAX_REQUEUES) and writes the `requeue` event (cause
+"coordinator died by signal N"). Nothing is lost: calls, run records and checkpoints are
+written as they happen, and the resumed job restarts interrupted runs as new attempts.
 """
 
 from __future__ import annotations

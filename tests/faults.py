@@ -1,0 +1,88 @@
+"""Fault injection for end-to-end tests: find a run's processes from its run dir, kill or
+stop them, wait for what the run records.
+
+    agent_pid(run_dir, node)       the node agent's pid (events.jsonl: agent_registered)
+    engine_pid(run_dir, node, k=0) the pid of node's k-th engine server (its ready file,
+                                   logs/engine-node<N>-s<k>.log.ready.json; rewritten by
+                                   a restart)
+    coordinator_pid(run_dir)       the coordinator's pid (events.jsonl: start)
+    kill(pid, sig=SIGKILL)         signal a process (gone already: False)
+    wait_event(run_dir, kind, ...) the first event of `kind` (matching fields), waiting
+    wait_for(predicate, ...)       poll until true
+    status(run_dir)                status.json, or {} while it is not written
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from gyre_slurm.runtime.fsio import read_jsonl
+
+
+def events(run_dir: Path, kind: str | None = None, **fields: Any) -> list[dict]:
+    path = Path(run_dir) / "events.jsonl"
+    if not path.exists():
+        return []
+    return [e for e in read_jsonl(path) if (kind is None or e["kind"] == kind)
+            and all(e.get(k) == v for k, v in fields.items())]
+
+
+def wait_for(predicate: Callable[[], Any], *, timeout_s: float, what: str,
+             interval_s: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"not seen within {timeout_s:g} s: {what}")
+
+
+def wait_event(run_dir: Path, kind: str, *, timeout_s: float = 60.0, after: float = 0.0,
+               **fields: Any) -> dict:
+    """The first event of `kind` with these fields (and t >= `after`)."""
+    return wait_for(lambda: next((e for e in events(run_dir, kind, **fields)
+                                  if e["t"] >= after), None),
+                    timeout_s=timeout_s, what=f"event {kind} {fields or ''} in {run_dir}")
+
+
+def status(run_dir: Path) -> dict:
+    try:
+        return json.loads((Path(run_dir) / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def agent_pid(run_dir: Path, node: int) -> int:
+    return wait_event(run_dir, "agent_registered", node=node)["pid"]
+
+
+def coordinator_pid(run_dir: Path) -> int:
+    return wait_event(run_dir, "start")["pid"]
+
+
+def engine_pid(run_dir: Path, node: int, k: int = 0) -> int:
+    ready = Path(run_dir) / "logs" / f"engine-node{node}-s{k}.log.ready.json"
+    return json.loads(wait_for(lambda: ready.exists() and ready.read_text(), timeout_s=60,
+                               what=str(ready)))["pid"]
+
+
+def kill(pid: int, sig: int = signal.SIGKILL) -> bool:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def alive(pid: int) -> bool:
+    """Running and not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
