@@ -399,13 +399,7 @@ def test_disk_full_in_the_call_store_never_leaves_half_a_call(tmp_path):
         assert not loaded.errors and len(loaded.runs) == len(calls)
 
 
-HOOKED = "call_writer.error" in (ROOT / "gyre_slurm/runtime/coordinator.py").read_text()
-
-
 @pytest.mark.slow
-@pytest.mark.xfail(not HOOKED, run=False, strict=True,
-                   reason="needs the coordinator to stop on call_writer.error (and rollouts "
-                          "to leave a run failed by it unrecorded): without it the job waits")
 def test_disk_full_in_the_call_store_stops_the_run_and_resume_loses_nothing(tmp_path):
     """calls/ on a 4 KiB tmpfs: the gateway's segment fills during the first steps."""
     run_dir = tmp_path / "run"

@@ -81,8 +81,11 @@ def test_once_shows_header_cells_progress_and_events(run_dir):
     last_step = [e for e in events if e["kind"] == "step"][-1]
     assert f"step {last_step['step']} -> version {last_step['version']}: mean reward" in out
     decisions = [e for e in events if e["kind"] == "decision"]
+    shown = [line for line in out.splitlines() if line.startswith("+")]
     if decisions:  # an elastic run with handoffs: reasons and handoff times are shown
-        assert "handoff" in out and decisions[-1]["reason"][:30] in out
+        assert "handoff" in out
+        if any(" decision " in line for line in shown):  # within the latest events
+            assert decisions[-1]["reason"][:30] in out
         assert any(set(line.split()[-1]) & set("T") and "-" in line.split()[-1]
                    for line in out.splitlines() if line.lstrip().startswith("cell "))
     assert "FAILURES" not in out

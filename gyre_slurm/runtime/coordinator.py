@@ -144,6 +144,9 @@ class Coordinator:
     async def on_register(self, request: web.Request) -> web.Response:
         body = await request.json()
         node = int(body["node"])
+        if not 0 <= node < self.cfg.cluster.num_nodes:
+            return web.json_response({"error": f"node {node} is not in this job "
+                                      f"(0..{self.cfg.cluster.num_nodes - 1})"}, status=400)
         self.agents[node] = ControlClient(body["url"], self.rd.secret(), node=node)
         self.heartbeats[node] = time.monotonic()
         self.rd.event("agent_registered", node=node, url=body["url"], pid=body.get("pid"),
@@ -154,6 +157,9 @@ class Coordinator:
 
     async def on_heartbeat(self, request: web.Request) -> web.Response:
         body = await request.json()
+        if int(body["node"]) not in self.agents:  # only registered agents beat
+            return web.json_response({"error": f"node {body['node']} never registered"},
+                                     status=400)
         if int(body["node"]) not in self.lost:  # a lost agent stays lost
             self.heartbeats[int(body["node"])] = time.monotonic()
         return web.json_response({})
@@ -398,6 +404,9 @@ class Coordinator:
         now = self.sample_waterlevel()
         self.rd.write_status({
             "t": time.time(), "elapsed_s": time.time() - self.t0, "final": final,
+            # Where the run serves (every route needs the run's secret).
+            "gateway_url": getattr(self, "gateway_url", None),
+            "control_url": getattr(self, "control_url", None),
             "policy": self.policy.name, "version": self.book.version,
             "num_steps": self.book.num_steps,
             "cells": [{"cell": c.cell_id, "nodes": list(c.nodes), "role": c.role.value,
@@ -430,6 +439,12 @@ class Coordinator:
             for node, beat in list(self.heartbeats.items()):
                 if now - beat > lost_s:
                     recovery.node_lost(self, node, reason=f"silent for {now - beat:.1f}s")
+            if self.call_writer.error is not None:  # disk full: no call may go unrecorded
+                try:
+                    self.rd.event("call_store_failed", error=str(self.call_writer.error))
+                except OSError:
+                    pass  # events.jsonl is on the full disk too: the error says it all
+                raise self.call_writer.error
             await asyncio.sleep(0.5)
 
 

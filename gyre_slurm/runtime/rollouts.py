@@ -136,6 +136,12 @@ class RolloutManager:
     def finish(self, run_id: str, record: dict) -> None:
         """Record a run's end (also used on resume for runs that ended before a stop)."""
         self.tasks.pop(run_id, None)
+        writer = getattr(self.gateway, "call_writer", None)
+        if record["status"] != "ok" and getattr(writer, "error", None) is not None:
+            # The call store failed (disk full): not the run's failure. Left unrecorded,
+            # it runs again (a new attempt) on --resume; the job is stopping.
+            self.started_at.pop(run_id, None)
+            return
         if self.started_at.pop(run_id, None) is not None:  # not a run replayed on resume
             append_jsonl(self.rd.runs_file, record)
         if self.gateway is not None:
@@ -163,7 +169,7 @@ class RolloutManager:
         self._buffer.poll()
         loaded = self._buffer.take(run_id)
         if run_id not in loaded.runs:
-            reasons = "; ".join(e.reason for e in loaded.errors) or "no recorded calls"
+            reasons = "; ".join(str(e) for e in loaded.errors) or "no recorded calls"
             return [], f"calls of {run_id} unusable: {reasons}"
         result = process_run(loaded.runs[run_id], max_per_run=self.cfg.runtime.max_per_run)
         return [t.to_json() for t in result.trajectories], None
