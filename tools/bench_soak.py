@@ -11,7 +11,8 @@ fault, drawn at random:
 
   agent        SIGKILL a node agent (only while 3 or more cells are alive: the floors
                need 2); its cell must be marked failed and the job go on
-  engine-kill  SIGKILL a rollout engine process; its agent must restart it
+  engine-kill  SIGKILL a rollout engine process; its agent must restart it (or, past
+               its restart limit, the cell fails); only while 3 or more cells are alive
   engine-hang  SIGSTOP a rollout engine (it stops answering health); same
   coordinator  SIGKILL the coordinator; this tool restarts it with `gyre run --resume`
                (what the requeued Slurm job does), which must resume from `latest`
@@ -72,6 +73,13 @@ def live_cells(run_dir: Path) -> list[dict]:
     return [c for c in faults.status(run_dir).get("cells", []) if c["role"] != "failed"]
 
 
+def node_indices(cell: dict) -> list[int]:
+    """The allocation indices of a cell's nodes (status.json names them; cells are
+    consecutive runs of `cell_nodes` nodes)."""
+    k = len(cell["nodes"])
+    return [cell["cell"] * k + i for i in range(k)]
+
+
 def inject(kind: str, run_dir: Path, rng: random.Random) -> str | None:
     """Inject one fault; returns what was done, or None when it does not apply now."""
     coord, agents = latest_pids(run_dir)
@@ -82,14 +90,16 @@ def inject(kind: str, run_dir: Path, rng: random.Random) -> str | None:
         if len(cells) < 3:
             return None
         cell = rng.choice(cells)
-        node = rng.choice(cell["nodes"])
+        node = rng.choice(node_indices(cell))
         pid = agents.get(node)
         return f"agent of node {node} (cell {cell['cell']}, pid {pid})" \
             if pid and faults.kill(pid) else None
+    if len(cells) < 3:  # an engine restarted too often fails its cell
+        return None
     rollout = [c for c in cells if c["role"] == "rollout"]
     rng.shuffle(rollout)
     for cell in rollout:
-        for node in cell["nodes"]:
+        for node in node_indices(cell):
             ready = run_dir / "logs" / f"engine-node{node}-s0.log.ready.json"
             try:
                 pid = json.loads(ready.read_text())["pid"]
@@ -103,8 +113,9 @@ def inject(kind: str, run_dir: Path, rng: random.Random) -> str | None:
     return None
 
 
-ANSWER = {"agent": "cell_failed", "engine-kill": "engine_restarted",
-          "engine-hang": "engine_restarted", "coordinator": "resume"}
+# What the run records in answer (an engine restarted too often fails its cell).
+ANSWER = {"agent": ("cell_failed",), "engine-kill": ("engine_restarted", "cell_failed"),
+          "engine-hang": ("engine_restarted", "cell_failed"), "coordinator": ("resume",)}
 
 
 def account(run_dir: Path) -> dict:
@@ -187,7 +198,7 @@ def main() -> int:
         now = time.time()
         version = faults.status(run_dir).get("version", 0)
         for kind, t, v in list(pending):
-            answered = faults.events(run_dir, ANSWER[kind])
+            answered = [e for a in ANSWER[kind] for e in faults.events(run_dir, a)]
             if version > v and any(e["t"] >= t for e in answered):
                 survived[kind] += 1
                 pending.remove((kind, t, v))
