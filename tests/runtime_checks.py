@@ -30,21 +30,25 @@ def expected_trajectories(run_dir: Path, max_per_run: int = 5) -> Counter:
     return want
 
 
-def check_run_dir(run_dir: Path, *, num_steps: int) -> list[dict]:
+def check_runs_trained_once(run_dir: Path) -> None:
+    """Every run that started ended for a reason of its own (none was killed by a
+    handoff; only a job kill leaves a run without a record, and then a later attempt of
+    it ran), all ok, and every ok run's trajectories were trained exactly once."""
     records = list(read_jsonl(run_dir / "runs" / "runs.jsonl"))
     started = [r["run_id"] for r in read_jsonl(run_dir / "runs" / "started.jsonl")]
     ended = {r["run_id"]: r for r in records}
-    # Every run that started ended for a reason of its own: none was killed by a handoff.
-    # Only a job kill leaves a run without a record, and then a later attempt of it ran.
     assert set(ended) <= set(started)
     for rid in set(started) - set(ended):
         base = rid.split("-a")[0]
         assert any(e.startswith(base + "-a") and e > rid for e in ended), rid
     assert all(r["status"] == "ok" for r in records), [r for r in records if r["status"] != "ok"]
-    # Every ok run's trajectories are trained exactly once.
     trained, expected = trained_trajectories(run_dir), expected_trajectories(run_dir)
     assert trained == expected
     assert max(trained.values()) == 1
+
+
+def check_run_dir(run_dir: Path, *, num_steps: int) -> list[dict]:
+    check_runs_trained_once(run_dir)
     events = list(read_jsonl(run_dir / "events.jsonl"))
     steps = [e for e in events if e["kind"] == "step"]
     assert [e["step"] for e in steps][-num_steps:] == list(range(num_steps))[-len(steps):]

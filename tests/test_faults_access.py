@@ -21,6 +21,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from faults import wait_for
 from aiohttp import web
 
 from gyre_slurm.gateway import Gateway
@@ -277,16 +278,6 @@ def listening(pids: set[int]) -> set[tuple[str, int]]:
     return out
 
 
-def wait_for(fn, what: str, timeout_s: float = 60):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        got = fn()
-        if got:
-            return got
-        time.sleep(0.2)
-    pytest.fail(f"no {what} after {timeout_s}s")
-
-
 @pytest.mark.slow
 def test_attacks_on_a_live_run_get_4xx_and_lose_nothing(tmp_path):
     run_dir, err = tmp_path / "run", tmp_path / "gyre.err"
@@ -300,10 +291,10 @@ def test_attacks_on_a_live_run_get_4xx_and_lose_nothing(tmp_path):
                                 preexec_fn=lambda: os.umask(0))
     try:
         gateway = wait_for(lambda: re.search(r"gateway serving at (http://[\d.]+:\d+)",
-                                             err.read_text()), "gateway url")[1]
+                                             err.read_text()), timeout_s=60, what="gateway url")[1]
         agent = wait_for(lambda: [e for e in read_jsonl(run_dir / "events.jsonl")
                                   if e["kind"] == "agent_registered"] if
-                         (run_dir / "events.jsonl").exists() else None, "agent")[0]
+                         (run_dir / "events.jsonl").exists() else None, timeout_s=60, what="agent")[0]
         secret = (run_dir / "secret").read_text().strip()
         cmdline = Path(f"/proc/{agent['pid']}/cmdline").read_bytes().split(b"\0")
         coordinator = cmdline[cmdline.index(b"--coordinator") + 1].decode()

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from runtime_checks import expected_trajectories, trained_trajectories
+from runtime_checks import check_runs_trained_once
 from test_runtime_e2e import FAST, gyre_run
 from traj_helpers import mk_call
 
@@ -102,16 +102,7 @@ def check_resumed_run(run_dir: Path, *, num_steps: int) -> list[dict]:
     later attempt did), every ok run's trajectories trained exactly once (the stream of
     steps past the checkpoint was dropped and trained again), the steps after the last
     resumed start run on from its version, and the last checkpoint verifies."""
-    records = list(read_jsonl(run_dir / "runs" / "runs.jsonl"))
-    started = [r["run_id"] for r in read_jsonl(run_dir / "runs" / "started.jsonl")]
-    ended = {r["run_id"]: r for r in records}
-    assert set(ended) <= set(started)
-    for rid in set(started) - set(ended):
-        base = rid.split("-a")[0]
-        assert any(e.startswith(base + "-a") and e > rid for e in ended), rid
-    assert all(r["status"] == "ok" for r in records), [r for r in records if r["status"] != "ok"]
-    trained = trained_trajectories(run_dir)
-    assert trained == expected_trajectories(run_dir) and max(trained.values()) == 1
+    check_runs_trained_once(run_dir)
     events = list(read_jsonl(run_dir / "events.jsonl"))
     last = max(i for i, e in enumerate(events) if e["kind"] == "start")
     assert events[last]["resume"]
