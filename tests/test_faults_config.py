@@ -8,7 +8,6 @@ with the job's environment, and as a real job on the local Slurm cluster).
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest

@@ -48,7 +48,7 @@ def resolve_target(target: str) -> Path:
 
 
 def status(args: argparse.Namespace) -> int:
-    from gyre_slurm.monitor import model, view
+    from gyre_slurm.monitor import model
 
     run_dir = resolve_target(args.target)
     if args.json:
