@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import faults  # noqa: E402  (tests/faults.py: find a run's processes, signal them)
+from runtime_checks import trained_trajectories  # noqa: E402
 from gyre_slurm.runtime.fsio import read_jsonl  # noqa: E402
 
 KINDS = ("agent", "engine-kill", "engine-hang", "coordinator")
@@ -126,17 +127,17 @@ def account(run_dir: Path) -> dict:
     records = {}
     for r in read_jsonl(run_dir / "runs" / "runs.jsonl"):
         records[r["run_id"]] = r
-    trained_runs, seen = set(), collections.Counter()
-    for path in sorted((run_dir / "stream").glob("step*_mb*.json")):
-        for t in json.loads(path.read_text()):
-            trained_runs.add(t["run_id"])
-            seen[(t["run_id"], tuple(t["token_ids"]))] += 1
+    seen = trained_trajectories(run_dir)  # (run id, token ids) -> times trained
+    trained_runs = {rid for rid, _ in seen}
+    attempts = collections.defaultdict(list)  # base run id -> ids with a record
+    for rid in records:
+        attempts[rid.split("-a")[0]].append(rid)
     started = {r["run_id"] for r in read_jsonl(run_dir / "runs" / "started.jsonl")}
     out = collections.Counter()
     lost = []
     for rid, calls in store.runs.items():
         base = rid.split("-a")[0]
-        later = [k for k in records if k.startswith(base) and k != rid and k > rid]
+        later = [k for k in attempts[base] if k != rid and k > rid]
         if rid in trained_runs:
             out["trained"] += len(calls)
         elif records.get(rid, {}).get("status") not in (None, "ok") or later:

@@ -157,11 +157,11 @@ class Coordinator:
 
     async def on_heartbeat(self, request: web.Request) -> web.Response:
         body = await request.json()
-        if int(body["node"]) not in self.agents:  # only registered agents beat
-            return web.json_response({"error": f"node {body['node']} never registered"},
-                                     status=400)
-        if int(body["node"]) not in self.lost:  # a lost agent stays lost
-            self.heartbeats[int(body["node"])] = time.monotonic()
+        node = int(body["node"])
+        if node not in self.agents:  # only registered agents beat
+            return web.json_response({"error": f"node {node} never registered"}, status=400)
+        if node not in self.lost:  # a lost agent stays lost
+            self.heartbeats[node] = time.monotonic()
         return web.json_response({})
 
     def nodes_of(self, cell: int) -> list[int]:
