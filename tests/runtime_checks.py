@@ -47,11 +47,26 @@ def check_runs_trained_once(run_dir: Path) -> None:
     assert max(trained.values()) == 1
 
 
+def check_steps_in_order(events: list[dict], *, num_steps: int) -> None:
+    """Each life of the job (its lives split at "resume" events) finished steps in order
+    from the version it resumed at, which is at most where the life before it got to (a
+    job killed after a step's event but before its checkpoint was durable redoes that
+    step), and the last life reached `num_steps`."""
+    next_step = 0
+    for e in events:
+        if e["kind"] == "resume":
+            assert e["version"] <= next_step, (e, next_step)
+            next_step = e["version"]
+        elif e["kind"] == "step":
+            assert e["step"] == next_step, (e, next_step)
+            next_step += 1
+    assert next_step == num_steps
+
+
 def check_run_dir(run_dir: Path, *, num_steps: int) -> list[dict]:
     check_runs_trained_once(run_dir)
     events = list(read_jsonl(run_dir / "events.jsonl"))
-    steps = [e for e in events if e["kind"] == "step"]
-    assert [e["step"] for e in steps][-num_steps:] == list(range(num_steps))[-len(steps):]
+    check_steps_in_order(events, num_steps=num_steps)
     status = json.loads((run_dir / "status.json").read_text())
     assert status["final"] and status["version"] == num_steps
     latest = (run_dir / "checkpoints" / "latest").read_text()

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from runtime_checks import check_runs_trained_once
+from runtime_checks import check_runs_trained_once, check_steps_in_order
 from test_runtime_e2e import FAST, gyre_run
 from traj_helpers import mk_call
 
@@ -108,6 +108,7 @@ def check_resumed_run(run_dir: Path, *, num_steps: int) -> list[dict]:
     assert events[last]["resume"]
     steps = [e["step"] for e in events[last:] if e["kind"] == "step"]
     assert steps == list(range(events[last]["version"], num_steps))
+    check_steps_in_order(events, num_steps=num_steps)
     status = json.loads((run_dir / "status.json").read_text())
     assert status["final"] and status["version"] == num_steps
     choice = checkpoint.choose_checkpoint(run_dir)

@@ -86,13 +86,13 @@ def test_killed_and_resumed_run_loses_and_repeats_nothing(tmp_path, config):
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 400
-        while time.time() < deadline:
-            status = run_dir / "status.json"
-            if status.exists() and json.loads(status.read_text()).get("version", 0) >= 2:
+        while time.time() < deadline:  # until the checkpoint of version 2 is durable
+            latest = run_dir / "checkpoints" / "latest"
+            if latest.exists() and int(latest.read_text().strip().split("_")[-1]) >= 2:
                 break
             time.sleep(0.2)
         else:
-            pytest.fail("the run never reached version 2")
+            pytest.fail("the run never checkpointed version 2")
         time.sleep(0.7)  # let it get into the middle of the next step
     finally:
         proc.send_signal(signal.SIGKILL)
