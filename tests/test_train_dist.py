@@ -66,6 +66,46 @@ def test_world_members_listen_on_loopback_only(tmp_path):
     del store
 
 
+def test_text_and_bytes_cross_the_world_without_pickle(tmp_path):
+    """What Megatron ranks exchange (the publish directory, each shard's safetensors bytes)
+    travels as uint8 tensors: any length, empty, None, non-ASCII, in rank order."""
+    model_dir = make_model_dir(tmp_path / "model", vocab_size=300, hidden_size=16,
+                               num_layers=1, num_heads=2, max_positions=32)
+    store, port = host_store("127.0.0.1")
+    with WorkerProcesses(3, model_dir=model_dir) as w:
+        spec = WorldSpec(1, 3, "127.0.0.1", port)
+        w.call({i: ("join", {"spec": spec, "rank": i, "src_rank": 0}) for i in range(3)},
+               timeout_s=60)
+        for text in ("/lustre/run/weights/v000003 ü", None, ""):
+            got = w.call({i: ("broadcast_text", {"text": text if i == 1 else "ignored",
+                                                 "src": 1}) for i in range(3)}, timeout_s=60)
+            assert got == {0: text, 1: text, 2: text}
+        payloads = {0: b"", 1: bytes(range(256)) * 40, 2: b"\x00pieces"}
+        got = w.call({i: ("gather_bytes", {"payload": payloads[i], "dst": 2})
+                      for i in range(3)}, timeout_s=60)
+        assert got[0] is None and got[1] is None
+        assert got[2] == [payloads[0], payloads[1], payloads[2]]
+    del store
+
+
+def test_packed_shards_round_trip_and_refuse_other_bytes():
+    import torch
+
+    from gyre_slurm.train.megatron import convert
+
+    pieces = {"model.embed_tokens.weight": (torch.arange(12.).view(3, 4)[1:], 0),
+              "model.norm.weight": (torch.ones(4, dtype=torch.bfloat16), None)}
+    tp_rank, back = convert.unpack_pieces(convert.pack_pieces(1, pieces))
+    assert tp_rank == 1 and set(back) == set(pieces)
+    for name, (t, dim) in pieces.items():
+        assert back[name][1] == dim and torch.equal(back[name][0], t)
+    import pickle
+
+    for bad in (b"", b"garbage", pickle.dumps({"tp_rank": 0})):
+        with pytest.raises(ValueError, match="not a packed shard"):
+            convert.unpack_pieces(bad)
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(generation=-1, world_size=2), dict(generation=0, world_size=0),
     dict(generation=0, world_size=1, backend="mpi"),

@@ -10,6 +10,11 @@ collective hangs. Two disjoint worlds may exist at once, each with its own gener
 
 This module is the only place that creates or destroys process groups.
 
+Nothing that crosses a group is unpickled: objects travel as bytes in uint8 tensors
+(`broadcast_text`, `gather_bytes`), which the receiver decodes with a format that
+cannot run code (UTF-8 text, safetensors), never `broadcast_object_list` or
+`gather_object` (both unpickle what a peer sent).
+
 Gloo binds its sockets to the address the host name resolves to, or to the interface
 named by `GLOO_SOCKET_IFNAME`. When the store is on a loopback address (local runs,
 tests) and `GLOO_SOCKET_IFNAME` is unset, `join_world` sets it to `lo` so that nothing
@@ -126,6 +131,8 @@ def join_world(spec: WorldSpec, rank: int, *, timeout_s: float = 120.0) -> dict[
     t0 = time.perf_counter()
     if spec.backend == "gloo":
         _pin_loopback(spec.store_host)
+    logger.info("joining generation %d as rank %d/%d through %s:%d", spec.generation, rank,
+                spec.world_size, spec.store_host, spec.store_port)
     store = dist.PrefixStore(spec.prefix, _client(spec.store_host, spec.store_port, timeout_s))
     kwargs = {}
     if spec.backend == "nccl":
@@ -147,3 +154,52 @@ def all_reduce_sum(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return float(t.item())
+
+
+def _device():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_text(text: str | None, src: int = 0) -> str | None:
+    """Rank `src`'s `text` on every rank of the default group (None stays None)."""
+    import torch
+    import torch.distributed as dist
+
+    dev = _device()
+    mine = dist.get_rank() == src
+    raw = (text or "").encode() if mine else b""
+    length = torch.tensor([-1 if mine and text is None else len(raw)], dtype=torch.int64,
+                          device=dev)
+    dist.broadcast(length, src)
+    n = int(length.item())
+    if n <= 0:
+        return None if n < 0 else ""
+    buf = (torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(dev) if mine
+           else torch.empty(n, dtype=torch.uint8, device=dev))
+    dist.broadcast(buf, src)
+    return bytes(buf.cpu().numpy()).decode()
+
+
+def gather_bytes(payload: bytes, dst: int = 0) -> list[bytes] | None:
+    """Every rank's `payload` on rank `dst`, in rank order (None elsewhere)."""
+    import torch
+    import torch.distributed as dist
+
+    dev, world = _device(), dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64, device=dev))
+    lengths = [int(t.item()) for t in sizes]
+    buf = torch.zeros(max(1, max(lengths)), dtype=torch.uint8, device=dev)
+    if payload:
+        buf[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
+    mine = dist.get_rank() == dst
+    parts = [torch.empty_like(buf) for _ in range(world)] if mine else None
+    dist.gather(buf, parts, dst=dst)
+    if not mine:
+        return None
+    return [bytes(t[:n].cpu().numpy()) for t, n in zip(parts, lengths)]

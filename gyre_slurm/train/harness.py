@@ -23,7 +23,20 @@ def _all_reduce_sum(worker, *, value: float) -> float:
     return gdist.all_reduce_sum(value)
 
 
-EXTRA_OPS = {"all_reduce_sum": _all_reduce_sum}
+def _broadcast_text(worker, *, text: str | None, src: int) -> str | None:
+    from gyre_slurm.train import dist as gdist
+
+    return gdist.broadcast_text(text, src=src)
+
+
+def _gather_bytes(worker, *, payload: bytes, dst: int) -> list[bytes] | None:
+    from gyre_slurm.train import dist as gdist
+
+    return gdist.gather_bytes(payload, dst=dst)
+
+
+EXTRA_OPS = {"all_reduce_sum": _all_reduce_sum, "broadcast_text": _broadcast_text,
+             "gather_bytes": _gather_bytes}
 
 
 def _serve(conn, kwargs: dict[str, Any], num_threads: int) -> None:

@@ -224,6 +224,31 @@ def megatron_shard_to_hf_pieces(shard: dict[str, torch.Tensor], shape: ModelShap
     return out
 
 
+def pack_pieces(tp_rank: int, pieces: dict[str, tuple[torch.Tensor, int | None]]) -> bytes:
+    """One rank's pieces as safetensors bytes (to send to the rank that gathers them):
+    the split dims and the TP rank ride in the header's metadata."""
+    from safetensors.torch import save
+
+    meta = {"tp_rank": tp_rank, "dims": {name: dim for name, (_, dim) in pieces.items()}}
+    return save({name: t.detach().cpu().contiguous().clone() for name, (t, _) in pieces.items()},
+                metadata={"gyre": json.dumps(meta)})
+
+
+def unpack_pieces(data: bytes) -> tuple[int, dict[str, tuple[torch.Tensor, int | None]]]:
+    """`pack_pieces`'s bytes -> (tp_rank, pieces). Raises ValueError on anything else."""
+    from safetensors.torch import load
+
+    try:
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + n])
+        meta = json.loads(header["__metadata__"]["gyre"])
+        tensors = load(data)
+        pieces = {name: (tensors[name], meta["dims"][name]) for name in meta["dims"]}
+        return int(meta["tp_rank"]), pieces
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"not a packed shard ({len(data)} bytes): {exc}") from exc
+
+
 def gather_hf(pieces_by_rank: list[dict[str, tuple[torch.Tensor, int | None]]],
               tp_ranks: list[int], shape: ModelShape) -> dict[str, torch.Tensor]:
     """Full HF state from every rank's pieces; `tp_ranks[i]` is the TP rank of entry i.

@@ -405,11 +405,11 @@ class MegatronWorker:
             self.version += 1
         self._grads.zero_()
         t2 = time.perf_counter()
-        target = [str(publish_dir) if publish_dir is not None else None]
+        target = str(publish_dir) if publish_dir is not None else None
         if self.world_size > 1:
-            dist.broadcast_object_list(target, src=0)
-        if target[0] is not None and not skipped:
-            self.publish(Path(target[0]))
+            target = gdist.broadcast_text(target, src=0)
+        if target is not None and not skipped:
+            self.publish(Path(target))
         return {"version": self.version, "grad_norm": norm, "skipped": skipped,
                 "allreduce_s": t1 - t0, "step_s": t2 - t1,
                 "publish_s": time.perf_counter() - t2}
@@ -421,22 +421,18 @@ class MegatronWorker:
         Collective: the data-parallel rank 0 replica's shards are gathered."""
         from megatron.core import parallel_state as ps
 
-        mine = None
+        mine = b""  # replicas other than data-parallel rank 0 send nothing
         if ps.get_data_parallel_rank() == 0:
             local = {k: v.detach().cpu() for k, v in self.model.state_dict().items()
                      if not k.endswith("_extra_state")}
-            mine = (ps.get_tensor_model_parallel_rank(),
-                    convert.megatron_shard_to_hf_pieces(
-                        local, self.shape, tp_size=self.tp,
-                        pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=self.pp))
-        if self.world_size > 1:
-            parts = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object(mine, parts, dst=0)
-        else:
-            parts = [mine]
+            mine = convert.pack_pieces(
+                ps.get_tensor_model_parallel_rank(), convert.megatron_shard_to_hf_pieces(
+                    local, self.shape, tp_size=self.tp,
+                    pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=self.pp))
+        parts = gdist.gather_bytes(mine, dst=0) if self.world_size > 1 else [mine]
         if (self.rank or 0) != 0:
             return None
-        parts = [p for p in parts if p is not None]
+        parts = [convert.unpack_pieces(p) for p in parts if p]
         return convert.gather_hf([p[1] for p in parts], [p[0] for p in parts], self.shape)
 
     def publish(self, out_dir: Path) -> Path | None:
