@@ -142,11 +142,12 @@ def test_affinity_drain_migrate_remove(engines, tmp_path):
         return servers, before, load_drained, moved, fresh, gw.server_load()
     servers, before, drained, moved, fresh, after = run_gateway(engines, tmp_path, go)
     assert servers == {"a": ["s0"] * 3, "b": ["s1"] * 2}
-    assert before == {"s0": {"runs": 1, "in_flight": 0, "draining": False},
-                      "s1": {"runs": 1, "in_flight": 0, "draining": False}}
-    assert drained["s0"] == {"runs": 1, "in_flight": 0, "draining": True}
+    idle = {"in_flight": 0, "suspect": False}
+    assert before == {"s0": {"runs": 1, "draining": False, **idle},
+                      "s1": {"runs": 1, "draining": False, **idle}}
+    assert drained["s0"] == {"runs": 1, "draining": True, **idle}
     assert moved == "s1" and fresh == "s1"
-    assert after == {"s1": {"runs": 2, "in_flight": 0, "draining": False}}
+    assert after == {"s1": {"runs": 2, "draining": False, **idle}}
     assert [r.call for r in records(tmp_path, "a")] == [0, 1, 2, 3]
 
 
@@ -199,6 +200,10 @@ def test_errors_keep_gateway_serving(engines, tmp_path):
         gw.add_server("dead", dead, 1)
         gw.drain_server("s0")
         out["dead"] = await chat(http, base, "to-dead")  # fewest runs: "dead" (0 runs)
+        out["suspect"] = gw.server_load()["dead"]["suspect"]  # it gave no answer
+        out["fresh"] = await chat(http, base, "fresh")  # not to the suspect server
+        gw.trust_server("dead")  # what a good health check does
+        out["trusted"] = gw.server_load()["dead"]["suspect"]
         gw.drain_server("dead")
         out["after"] = await chat(http, base, "to-dead")
         await dead.close()
@@ -211,6 +216,8 @@ def test_errors_keep_gateway_serving(engines, tmp_path):
     assert out["big"][0] == 413
     assert out["toolong"][0] == 400 and "positions" in out["toolong"][1]["error"]["message"]
     assert out["dead"][0] == 502 and "'dead'" in out["dead"][1]["error"]["message"]
+    assert out["suspect"] and not out["trusted"]
+    assert out["fresh"][0] == 200 and out["fresh"][1]["gyre"]["server"] == "s1"
     assert out["after"][0] == 200 and out["after"][1]["gyre"]["server"] == "s1"
     assert out["calls"] == (1, 0)
 
@@ -230,8 +237,8 @@ def test_concurrent_runs_balance_and_record(engines, tmp_path):
         return placed, gw.server_load(), [gw.calls_of(r) for r in run_ids]
     placed, load, calls = run_gateway(engines, tmp_path, go)
     assert all(len(set(p)) == 1 for p in placed)  # affinity under concurrency
-    assert load == {"s0": {"runs": 3, "in_flight": 0, "draining": False},
-                    "s1": {"runs": 3, "in_flight": 0, "draining": False}}
+    idle = {"in_flight": 0, "draining": False, "suspect": False}
+    assert load == {"s0": {"runs": 3, **idle}, "s1": {"runs": 3, **idle}}
     assert calls == [2] * 6
     loaded = load_store(tmp_path)
     assert not loaded.errors and sorted(loaded.runs) == run_ids

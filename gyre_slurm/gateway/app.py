@@ -88,6 +88,10 @@ class Gateway:
     def drain_server(self, server_id: str) -> None:
         self.router.drain(server_id)
 
+    def trust_server(self, server_id: str) -> None:
+        """A suspect server answered its health check: route runs to it again."""
+        self.router.trust(server_id)
+
     def remove_server(self, server_id: str) -> None:
         self.router.remove(server_id)
 
@@ -264,6 +268,8 @@ class Gateway:
                 if r.status == 400:
                     raise HttpError(400, f"the model rejected the request: {r}") from None
                 log.warning("run %s: server %s failed: %s", run_id, server.server_id, r)
+                if r.status == 0:  # no answer at all: no new runs there until it is healthy
+                    self.router.suspect(server.server_id)
                 raise HttpError(502, f"rollout server {server.server_id!r} failed: {r}",
                                 "server_error") from None
             if isinstance(r, BaseException):

@@ -8,6 +8,10 @@ Rules:
   server does.
 - With no non-draining server, a call waits (the coordinator may add one) up to
   `wait_s`, then `NoServer`.
+- A `suspect` server (a call to it just failed with no answer: refused, reset, timed
+  out) is routed to like a draining one until `trust` (its next good health check)
+  or its removal: runs must not pile onto a dead server, whose empty slots make it
+  look like the least loaded one, while its health check takes a few seconds.
 - `remove` only a draining server with no call in flight; its runs lose their affinity.
 All methods run on the event loop thread (no locks needed).
 """
@@ -33,6 +37,7 @@ class ServerState:
     client: Any  # an EngineClient
     capacity: int
     draining: bool = False
+    suspect: bool = False  # takes no runs until trusted again
     runs: set[str] = field(default_factory=set)
     in_flight: int = 0
 
@@ -61,6 +66,20 @@ class Router:
         log.info("server %s draining (%d runs move at their next call)", server_id,
                  len(self.servers[server_id].runs))
 
+    def suspect(self, server_id: str) -> None:
+        state = self.servers.get(server_id)
+        if state is not None and not state.suspect:
+            state.suspect = True
+            log.warning("server %s suspect: no new runs until it answers its health check",
+                        server_id)
+
+    def trust(self, server_id: str) -> None:
+        state = self.servers.get(server_id)
+        if state is not None and state.suspect:
+            state.suspect = False
+            log.info("server %s trusted again", server_id)
+            self._notify()
+
     def remove(self, server_id: str) -> None:
         state = self._get(server_id)
         if not state.draining:
@@ -79,7 +98,8 @@ class Router:
             self.servers[server_id].runs.discard(run_id)
 
     def load(self) -> dict[str, dict[str, Any]]:
-        return {sid: {"runs": len(s.runs), "in_flight": s.in_flight, "draining": s.draining}
+        return {sid: {"runs": len(s.runs), "in_flight": s.in_flight, "draining": s.draining,
+                      "suspect": s.suspect}
                 for sid, s in sorted(self.servers.items())}
 
     def _get(self, server_id: str) -> ServerState:
@@ -90,15 +110,15 @@ class Router:
 
     def _pick(self, run_id: str) -> ServerState | None:
         current = self.servers.get(self.affinity.get(run_id, ""))
-        if current is not None and not current.draining:
+        if current is not None and not (current.draining or current.suspect):
             return current
-        open_ = [s for s in self.servers.values() if not s.draining]
+        open_ = [s for s in self.servers.values() if not (s.draining or s.suspect)]
         if not open_:
             return None
         best = min(open_, key=lambda s: (len(s.runs) >= s.capacity, len(s.runs), s.server_id))
         if current is not None:
             current.runs.discard(run_id)
-            log.info("run %s migrates from draining server %s to %s", run_id,
+            log.info("run %s migrates from server %s to %s", run_id,
                      current.server_id, best.server_id)
         best.runs.add(run_id)
         self.affinity[run_id] = best.server_id
