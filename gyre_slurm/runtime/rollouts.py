@@ -10,8 +10,8 @@ releases its group for training once the whole group has ended.
 A run whose model call failed because of the rollout server under it (the gateway
 answered 502: the engine crashed, hung and was killed, or its node was lost; or 503: no
 server became available) was interrupted, not failed: it restarts as a new attempt
-(`StepBook.restart`, `<run_id>-a<N>`) after `RUN_RESTART_BACKOFF_S`, at most
-`MAX_RUN_ATTEMPTS` attempts in all (the last one's failure is recorded). The interrupted
+(`StepBook.restart`, `<run_id>-a<N>`) after `runtime.run_restart_backoff_s`, at most
+`runtime.max_run_attempts` attempts in all (the last one's failure is recorded). The interrupted
 attempt gets no run record; its partial calls stay in the store, never trained.
 """
 
@@ -26,7 +26,6 @@ from pathlib import Path
 from gyre_slurm.config.schema import GyreConfig
 from gyre_slurm.runtime.book import StepBook
 from gyre_slurm.runtime.fsio import append_jsonl
-from gyre_slurm.runtime.recovery import MAX_RUN_ATTEMPTS, RUN_RESTART_BACKOFF_S
 from gyre_slurm.runtime.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -114,7 +113,7 @@ class RolloutManager:
             await env.close()
         record.update(step=entry.step, prompt=entry.prompt, member=entry.member)
         if (record["status"] == "failed" and SERVER_FAILED.match(record.get("error") or "")
-                and entry.attempt + 1 < MAX_RUN_ATTEMPTS):
+                and entry.attempt + 1 < rt.max_run_attempts):
             self.restart(entry.run_id, reason=record["error"])
         else:
             self.finish(entry.run_id, record)
@@ -129,7 +128,7 @@ class RolloutManager:
             self._buffer.poll()
             self._buffer.take(run_id)
         new_id = self.book.restart(run_id)
-        self.not_before[new_id] = time.time() + RUN_RESTART_BACKOFF_S
+        self.not_before[new_id] = time.time() + self.cfg.runtime.run_restart_backoff_s
         self.rd.event("run_restarted", run_id=run_id, new_run_id=new_id, reason=reason[:300])
         return new_id
 

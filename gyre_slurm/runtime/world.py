@@ -56,6 +56,9 @@ class TrainWorld:
         self.generation = 0
         self.init_weights = init_weights
         self.handover: Path | None = checkpoint  # state file for a world nobody stays in
+        # The members all hold the trainer state: False from the moment a rebuild begins
+        # until every member has joined (a joiner has no state until the broadcast).
+        self.standing = False
         self.lock = asyncio.Lock()  # held per micro-batch / step / rebuild
 
     @property
@@ -86,6 +89,7 @@ class TrainWorld:
         if old == new:
             return timings
         staying = [] if self.reshard else [n for n in old if n in new]
+        self.standing = False
         R = self.ranks_per_node
         previous = self.handover
         if old and self.reshard:  # the whole state, resharded by whoever loads it
@@ -121,6 +125,7 @@ class TrainWorld:
                 for key, value in res.items():
                     if isinstance(value, (int, float)):
                         timings[key] = max(timings.get(key, 0.0), float(value))
+            self.standing = True
         timings["rebuild_s"] = time.monotonic() - t1
         if (self.reshard and previous is not None and previous != self.handover
                 and previous.parent == self.run_dir / "trainer_state"):
@@ -164,9 +169,12 @@ class TrainWorld:
             "num_step_tokens": num_step_tokens, "publish_dir": str(publish_dir)})
         return results[0]
 
-    async def save(self, path: Path) -> None:
-        """A checkpoint of the trainer state (every member takes part when resharding)."""
+    async def save(self, path: Path, *, node: int | None = None) -> None:
+        """A checkpoint of the trainer state (every member takes part when resharding;
+        else the world's first member, or `node`, which holds the same state)."""
         if self.reshard:
             await self._all(self.members, "/cmd/save", {"path": str(path)})
         else:
-            await self.agents[self.members[0]].post("/cmd/save", {"path": str(path)})
+            node = self.members[0] if node is None else node
+            writer = self.members.index(node) * self.ranks_per_node
+            await self.agents[node].post("/cmd/save", {"path": str(path), "writer": writer})

@@ -3,9 +3,10 @@
     PYTHON -m gyre_slurm.train.rankproc --backend torch|megatron --model-dir DIR \
         --node-index I --local-rank L [--lr --seed --grad-clip --tp --pp]
 
-The node agent starts one per training rank of its node when the trainer cannot live in
-the agent itself: Megatron-core (another Python: megatron-core needs 3.12 and its own
-torch build), several ranks per node (one per GPU), a container. The process keeps its
+The node agent starts one per training rank of its node, whatever the trainer (a rank
+blocked in a collective can be killed at once; Megatron-core needs another Python, 3.12
+with its own torch build; several ranks per node, one per GPU; a container). The
+process keeps its
 worker (`TrainerWorker` or `MegatronWorker`: one API) for the whole job, so a handoff
 rebuilds process groups without starting Python again.
 
@@ -21,6 +22,10 @@ arguments (a `spec` dict becomes a WorldSpec, `path`, `init_weights`, `checkpoin
 `publish_dir` become paths): the tests drive `eval_loss`, `token_logprobs`, ... so. stdout carries only answers (anything else printed
 goes to stderr, the rank's log). The process exits at EOF on stdin, and when its
 parent (the node agent) dies, even while blocked in a collective.
+
+Failpoint (for fault-injection tests; off unless set): `GYRE_FAILPOINT=METHOD:NODE:N`
+makes node NODE's rank stop itself (SIGSTOP, as a hung process) just before its N-th
+request of METHOD, so a test can kill its node at exactly that moment.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -98,14 +104,44 @@ def dispatch(worker, method: str, a: dict):
     if method == "step":
         return worker.optimizer_step(publish_dir=_path(a.get("publish_dir")),
                                      num_step_tokens=a.get("num_step_tokens"))
-    if method == "save":
-        worker.save_checkpoint(Path(a["path"]))
+    if method == "save":  # `writer`: the world rank that writes a replicated state
+        extra = {"writer": int(a["writer"])} if a.get("writer") is not None else {}
+        worker.save_checkpoint(Path(a["path"]), **extra)
         return {}
     if method == "digests":
         return worker.digests()
     if method.startswith("_") or not callable(getattr(worker, method, None)):
         raise ValueError(f"unknown method {method!r}")
     return _encode(getattr(worker, method)(**_decode(a)))
+
+
+FAILPOINT_ENV = "GYRE_FAILPOINT"
+
+
+class Failpoint:
+    def __init__(self, method: str, count: int):
+        self.method, self.count, self.seen = method, count, 0
+
+    def before(self, method: str) -> None:
+        if method != self.method:
+            return
+        self.seen += 1
+        if self.seen == self.count:
+            log.warning("failpoint %s:%d reached: stopping this rank (SIGSTOP)",
+                        self.method, self.count)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def parse_failpoint(value: str, node_index: int) -> Failpoint | None:
+    """`METHOD:NODE:N` -> a Failpoint for this rank (None: unset, or another node's)."""
+    if not value:
+        return None
+    parts = value.split(":")
+    if len(parts) != 3 or not parts[0] or not parts[1].isdigit() or not parts[2].isdigit() \
+            or int(parts[2]) < 1:
+        raise ValueError(f"{FAILPOINT_ENV}={value!r}: expected METHOD:NODE:N, e.g. save:1:2 "
+                         f"(node 1's rank stops before its 2nd save)")
+    return Failpoint(parts[0], int(parts[2])) if int(parts[1]) == node_index else None
 
 
 def _watch_parent(parent: int) -> None:
@@ -141,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.num_threads)
+    failpoint = parse_failpoint(os.environ.get(FAILPOINT_ENV, ""), args.node_index)
     worker = make_worker(args)
     answers.write(json.dumps({"id": 0, "result": {"ready": True, "pid": os.getpid()}}) + "\n")
     for line in sys.stdin:
@@ -149,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             req = json.loads(line)
             rid = req.get("id")
+            if failpoint is not None:
+                failpoint.before(req["method"])
             result = dispatch(worker, req["method"], req.get("args") or {})
             answer = {"id": rid, "result": result}
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the agent

@@ -275,9 +275,10 @@ class TrainerWorker:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "version": self.version, "rng": rng, "grads": self._grads.detach().cpu()}
 
-    def save_checkpoint(self, path: Path) -> Path | None:
-        """Rank 0 (or a worker outside any world) writes `path` atomically; others no-op."""
-        if (self.rank or 0) != 0:
+    def save_checkpoint(self, path: Path, *, writer: int = 0) -> Path | None:
+        """Rank `writer` (or a worker outside any world) writes `path` atomically; others
+        no-op (every member holds the same state)."""
+        if (self.rank or 0) != writer:
             return None
         path = Path(path)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
