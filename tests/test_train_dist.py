@@ -1,5 +1,6 @@
 """The rendezvous store and the worlds listen on loopback only; world specs are checked."""
 
+import contextlib
 import os
 import socket
 from pathlib import Path
@@ -51,31 +52,34 @@ def test_store_listens_on_the_given_loopback_address_only():
         del store
 
 
-def test_world_members_listen_on_loopback_only(tmp_path):
+@contextlib.contextmanager
+def world_of(tmp_path, n: int):
+    """`n` worker processes joined in one gloo world on loopback."""
     model_dir = make_model_dir(tmp_path / "model", vocab_size=300, hidden_size=16,
                                num_layers=1, num_heads=2, max_positions=32)
     store, port = host_store("127.0.0.1")
-    with WorkerProcesses(2, model_dir=model_dir) as w:
-        spec = WorldSpec(1, 2, "127.0.0.1", port)
-        w.call({i: ("join", {"spec": spec, "rank": i, "src_rank": 0}) for i in range(2)},
-               timeout_s=60)
+    try:
+        with WorkerProcesses(n, model_dir=model_dir) as w:
+            spec = WorldSpec(1, n, "127.0.0.1", port)
+            w.call({i: ("join", {"spec": spec, "rank": i, "src_rank": 0}) for i in range(n)},
+                   timeout_s=60)
+            yield w
+    finally:
+        del store
+
+
+def test_world_members_listen_on_loopback_only(tmp_path):
+    with world_of(tmp_path, 2) as w:
         assert w.call_all("all_reduce_sum", value=2.0, timeout_s=60) == {0: 4.0, 1: 4.0}
         sockets = [s for pid in w.pids for s in listening(pid)]
         assert sockets  # gloo listens for its peers ...
         assert all(addr.startswith("127.") for addr, _ in sockets), sockets  # ... on lo
-    del store
 
 
 def test_text_and_bytes_cross_the_world_without_pickle(tmp_path):
     """What Megatron ranks exchange (the publish directory, each shard's safetensors bytes)
     travels as uint8 tensors: any length, empty, None, non-ASCII, in rank order."""
-    model_dir = make_model_dir(tmp_path / "model", vocab_size=300, hidden_size=16,
-                               num_layers=1, num_heads=2, max_positions=32)
-    store, port = host_store("127.0.0.1")
-    with WorkerProcesses(3, model_dir=model_dir) as w:
-        spec = WorldSpec(1, 3, "127.0.0.1", port)
-        w.call({i: ("join", {"spec": spec, "rank": i, "src_rank": 0}) for i in range(3)},
-               timeout_s=60)
+    with world_of(tmp_path, 3) as w:
         for text in ("/lustre/run/weights/v000003 ü", None, ""):
             got = w.call({i: ("broadcast_text", {"text": text if i == 1 else "ignored",
                                                  "src": 1}) for i in range(3)}, timeout_s=60)
@@ -85,7 +89,6 @@ def test_text_and_bytes_cross_the_world_without_pickle(tmp_path):
                       for i in range(3)}, timeout_s=60)
         assert got[0] is None and got[1] is None
         assert got[2] == [payloads[0], payloads[1], payloads[2]]
-    del store
 
 
 def test_packed_shards_round_trip_and_refuse_other_bytes():
