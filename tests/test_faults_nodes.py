@@ -333,6 +333,32 @@ def test_a_crashed_vllm_server_is_restarted_on_its_cell(tmp_path):
     assert retried and all(r.endswith("-a1") for r in retried), retried
 
 
+@pytest.mark.slow
+def test_an_engine_hung_while_its_cell_trains_is_replaced_when_it_rolls_out(tmp_path):
+    """Colocate (every cell trains, then every cell rolls out, each step): node 1's
+    released engine is stopped (SIGSTOP) while its cell trains. Health checks skip a
+    cell that trains, so the hang shows when the cell rolls out again: the resume gets no
+    answer within runtime.engine_handoff_timeout_s, the agent kills the engine and
+    starts a new one (`engine_replaced`), and the job finishes with nothing lost."""
+    run_dir = tmp_path / "run"
+    num_steps = 3
+    proc = start_run(run_dir, f"workload.num_steps={num_steps}", "scheduler.policy=colocate",
+                     "runtime.engine_handoff_timeout_s=3")
+    try:
+        faults.wait_event(run_dir, "handoff", direction="rollout->train", timeout_s=120)
+        hung = faults.engine_pid(run_dir, 1)
+        assert faults.kill(hung, signal.SIGSTOP)
+        replaced = faults.wait_event(run_dir, "engine_replaced", cell=1, timeout_s=60)
+    finally:
+        finish(proc, run_dir)
+    assert replaced["when"] == "resume" and "engine_handoff_timeout_s" in replaced["reason"]
+    assert not faults.alive(hung) and faults.engine_pid(run_dir, 1) != hung
+    events = check_run_dir(run_dir, num_steps=num_steps)
+    assert "handoff_failed" not in {e["kind"] for e in events}
+    later = [e for e in events if e["kind"] == "weights_loaded" and e["t"] > replaced["t"]]
+    assert not later or all(not e["failed"] for e in later)
+
+
 # -- 3. the coordinator killed under Slurm -------------------------------------------------
 @pytest.mark.slow
 def test_a_killed_coordinator_is_requeued_by_the_batch_script(slurm_cluster, tmp_path):

@@ -17,8 +17,9 @@ fault, drawn at random:
   coordinator  SIGKILL the coordinator; this tool restarts it with `gyre run --resume`
                (what the requeued Slurm job does), which must resume from `latest`
 
-A fault is survived when the run records the answer (cell_failed, engine_restarted,
-resume) and trains another step afterwards. When the job has finished, every call in
+A fault is survived when the run records the answer about the cell hit (cell_failed,
+engine_restarted, engine_replaced; resume for the coordinator) and trains another step
+afterwards. When the job has finished, every call in
 the call store is accounted for: trained (its run's trajectories were trained, each
 exactly once), superseded (an attempt interrupted by a fault: restarted under a new id,
 never trained, by the documented rule) or lost (anything else: must be 0).
@@ -81,19 +82,20 @@ def node_indices(cell: dict) -> list[int]:
     return [cell["cell"] * k + i for i in range(k)]
 
 
-def inject(kind: str, run_dir: Path, rng: random.Random) -> str | None:
-    """Inject one fault; returns what was done, or None when it does not apply now."""
+def inject(kind: str, run_dir: Path, rng: random.Random) -> tuple[str, int | None] | None:
+    """Inject one fault; returns what was done and the cell hit (None: the coordinator),
+    or None when it does not apply now."""
     coord, agents = latest_pids(run_dir)
     cells = live_cells(run_dir)
     if kind == "coordinator":
-        return f"coordinator pid {coord}" if coord and faults.kill(coord) else None
+        return (f"coordinator pid {coord}", None) if coord and faults.kill(coord) else None
     if kind == "agent":
         if len(cells) < 3:
             return None
         cell = rng.choice(cells)
         node = rng.choice(node_indices(cell))
         pid = agents.get(node)
-        return f"agent of node {node} (cell {cell['cell']}, pid {pid})" \
+        return (f"agent of node {node} (cell {cell['cell']}, pid {pid})", cell["cell"]) \
             if pid and faults.kill(pid) else None
     if len(cells) < 3:  # an engine restarted too often fails its cell
         return None
@@ -110,13 +112,16 @@ def inject(kind: str, run_dir: Path, rng: random.Random) -> str | None:
                 continue
             sig = signal.SIGKILL if kind == "engine-kill" else signal.SIGSTOP
             if faults.kill(pid, sig):
-                return f"engine of node {node} (cell {cell['cell']}, pid {pid}, {sig.name})"
+                return (f"engine of node {node} (cell {cell['cell']}, pid {pid}, {sig.name})",
+                        cell["cell"])
     return None
 
 
-# What the run records in answer (an engine restarted too often fails its cell).
-ANSWER = {"agent": ("cell_failed",), "engine-kill": ("engine_restarted", "cell_failed"),
-          "engine-hang": ("engine_restarted", "cell_failed"), "coordinator": ("resume",)}
+# What the run records in answer, about the cell hit (an engine restarted too often
+# fails its cell; an engine hung as its cell hands off is replaced by its agent).
+ENGINE_ANSWERS = ("engine_restarted", "engine_replaced", "cell_failed")
+ANSWER = {"agent": ("cell_failed",), "engine-kill": ENGINE_ANSWERS,
+          "engine-hang": ENGINE_ANSWERS, "coordinator": ("resume",)}
 
 
 def account(run_dir: Path) -> dict:
@@ -182,7 +187,7 @@ def main() -> int:
     proc = start(run_dir, sets, resume=False, log=log)
     t0 = time.time()
     injected, survived = collections.Counter(), collections.Counter()
-    pending: list[tuple[str, float, int]] = []  # (kind, t, version at injection)
+    pending: list[tuple[str, float, int, int | None]] = []  # (kind, t, version, cell)
     next_fault = t0 + rng.uniform(0.5, 1.5) * args.every_s
     restarts = 0
     print(f"soak: {run_dir}, {args.steps} steps, a fault every ~{args.every_s:g} s for "
@@ -198,18 +203,21 @@ def main() -> int:
             break
         now = time.time()
         version = faults.status(run_dir).get("version", 0)
-        for kind, t, v in list(pending):
-            answered = [e for a in ANSWER[kind] for e in faults.events(run_dir, a)]
+        for item in list(pending):
+            kind, t, v, cell = item
+            answered = [e for a in ANSWER[kind] for e in faults.events(run_dir, a)
+                        if cell is None or e.get("cell") == cell]
             if version > v and any(e["t"] >= t for e in answered):
                 survived[kind] += 1
-                pending.remove((kind, t, v))
+                pending.remove(item)
                 print(f"  {now - t0:6.0f} s  survived {kind} (v{v} -> v{version})", flush=True)
         if now >= next_fault and now - t0 < args.minutes * 60 and version > 0:
             for kind in rng.sample(kinds, len(kinds)):
-                what = inject(kind, run_dir, rng)
-                if what:
+                hit = inject(kind, run_dir, rng)
+                if hit:
+                    what, cell = hit
                     injected[kind] += 1
-                    pending.append((kind, time.time(), version))
+                    pending.append((kind, time.time(), version, cell))
                     print(f"  {now - t0:6.0f} s  v{version}  inject {kind}: {what}", flush=True)
                     break
             next_fault = now + rng.uniform(0.5, 1.5) * args.every_s

@@ -320,6 +320,9 @@ class RuntimeConfig:
     max_engine_restarts: int = 3
     max_run_attempts: int = 4
     run_restart_backoff_s: float = 1.0
+    # An engine that does not release (handoff to training) or resume (back to rollout)
+    # within this is killed; the cell's next rollout starts new engines.
+    engine_handoff_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "context_budget_tokens", "max_tokens", "runs_per_cell",
@@ -327,7 +330,7 @@ class RuntimeConfig:
                      "status_interval_s", "policy_interval_s", "checkpoint_every_steps",
                      "run_timeout_s", "model_hidden_size", "model_layers", "model_heads",
                      "engine_check_s", "engine_health_timeout_s", "engine_strikes",
-                     "max_run_attempts"):
+                     "max_run_attempts", "engine_handoff_timeout_s"):
             _positive(name, getattr(self, name))
         _positive("temperature", self.temperature, allow_zero=True)
         _positive("max_engine_restarts", self.max_engine_restarts, allow_zero=True)

@@ -29,6 +29,7 @@ from pathlib import Path
 from aiohttp import web
 
 from gyre_slurm.config.schema import load_config
+from gyre_slurm.engines.client import EngineError
 from gyre_slurm.models.tiny import weights_dir
 from gyre_slurm.runtime.control import ControlClient, make_app
 from gyre_slurm.runtime.rundir import RunDir
@@ -156,26 +157,49 @@ class NodeAgent:
         return make_client(self.cfg.rollout.engine, proc.base_url, self.secret,
                            release_mode=self.cfg.release_mode)
 
+    async def _within_handoff_timeout(self, what: str, calls) -> str | None:
+        """Await the engines' `calls`; None when all answered in time, else why not —
+        and then every engine of this node is killed (a hung or dead engine must not
+        hold a handoff; the cell's next rollout starts new ones)."""
+        limit = self.cfg.runtime.engine_handoff_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.gather(*calls), limit)
+            return None
+        except asyncio.TimeoutError:
+            why = f"{what} got no answer within {limit:g} s (runtime.engine_handoff_timeout_s)"
+        except (EngineError, OSError) as exc:
+            why = f"{what} failed: {type(exc).__name__}: {exc}"
+        engines, self.engines = self.engines, []
+        for proc, client in engines:
+            await client.close()
+        codes = await asyncio.gather(*(asyncio.to_thread(_kill, proc) for proc, _ in engines))
+        log.warning("engine %s: killed %d engine(s) (exit codes %s)", why, len(engines), codes)
+        return why
+
     async def cmd_start_engine(self, *, version: int) -> dict:
         t0 = time.monotonic()
+        replaced = None
+        if self.engines:
+            path = str(weights_dir(self.rd.path, version))
+            replaced = await self._within_handoff_timeout("resume", [
+                client.resume(path, version) for _, client in self.engines])
         if not self.engines:
             procs = await asyncio.gather(*(asyncio.to_thread(self._start_one, k, version)
                                            for k in range(self.cfg.servers_per_node)))
             self.engines = [(proc, self._client(proc)) for proc in procs]
-        else:
-            path = str(weights_dir(self.rd.path, version))
-            await asyncio.gather(*(client.resume(path, version) for _, client in self.engines))
         return {"base_urls": [proc.base_url for proc, _ in self.engines],
-                "engine_kind": self.cfg.rollout.engine,
+                "engine_kind": self.cfg.rollout.engine, "replaced": replaced,
                 "engine_start_s": time.monotonic() - t0}
 
     async def cmd_release_engine(self) -> dict:
         t0 = time.monotonic()
+        killed = None
         if self.cfg.release_mode == "stop":
             await self.shutdown_engine()
         else:
-            await asyncio.gather(*(client.release() for _, client in self.engines))
-        return {"engine_release_s": time.monotonic() - t0}
+            killed = await self._within_handoff_timeout("release", [
+                client.release() for _, client in self.engines])
+        return {"engine_release_s": time.monotonic() - t0, "killed": killed}
 
     async def cmd_restart_engine(self, *, server: int, version: int,
                                  backoff_s: float = 0.0) -> dict:

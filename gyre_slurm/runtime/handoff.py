@@ -11,7 +11,10 @@ without the cell (`rebuild_s`); the engine resumes with the current policy versi
 is added to the gateway (`engine_start_s`). Decisions of one tick that go the same way
 are executed together: one drain wait, one rebuild.
 
-Faults (`recovery`): nodes of failed cells never join a world. A handoff that fails
+Faults (`recovery`): nodes of failed cells never join a world. An engine that does not
+release or resume within `runtime.engine_handoff_timeout_s` (hung, or dead while its
+cell trained) is killed by its agent, and new engines start in its place
+(`engine_replaced`): a hung engine never holds a handoff. A handoff that fails
 because its cells were lost (each of them marked failed) ends there; the job goes on
 (`handoff_abandoned`). A handoff that fails otherwise (among them: a node lost while
 OTHER cells moved with it) stops the job, loudly; `--resume` continues it.
@@ -112,6 +115,9 @@ async def bring_up_engine(coord, cell: int) -> float:
                                      for n in nodes))
     clients = {}
     for node, res in zip(nodes, results):
+        if res.get("replaced"):
+            coord.rd.event("engine_replaced", cell=cell, node=node, when="resume",
+                           reason=res["replaced"][:300])
         for k, url in enumerate(res["base_urls"]):
             clients[f"cell{cell}-n{node}-s{k}"] = make_client(
                 res.get("engine_kind", "embedded"), url, coord.rd.secret(),
@@ -168,8 +174,13 @@ async def to_train_cells(coord, cells: list[int], *, wait: bool) -> None:
             coord.gateway.remove_server(sid)
             await client.close()
         coord.table.begin_loading(c, now_s=time.time() - coord.t0)
-    await asyncio.gather(*(coord.agents[n].post("/cmd/release_engine")
-                           for c in cells for n in coord.nodes_of(c)))
+    pairs = [(c, n) for c in cells for n in coord.nodes_of(c)]
+    released = await asyncio.gather(*(coord.agents[n].post("/cmd/release_engine")
+                                      for _, n in pairs))
+    for (c, n), res in zip(pairs, released):
+        if res.get("killed"):
+            coord.rd.event("engine_replaced", cell=c, node=n, when="release",
+                           reason=res["killed"][:300])
     phases["engine_release_s"] = time.monotonic() - t1
     from gyre_slurm.runtime.recovery import failed_nodes
 
