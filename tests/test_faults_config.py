@@ -39,6 +39,8 @@ BAD = [
     (["runtime.engine_strikes=0"], "runtime.engine_strikes", "must be > 0"),
     (["runtime.max_engine_restarts=-1"], "runtime.max_engine_restarts", "must be >= 0"),
     (["runtime.max_run_attempts=2.5"], "runtime.max_run_attempts", "expected an integer"),
+    (["runtime.engine_handoff_timeout_s=0"], "runtime.engine_handoff_timeout_s",
+     "must be > 0"),
     (["runtime.env=nope"], "runtime.env", "learnable, longhorizon, shell"),
     (["runtime.env_params={bogus: 1}"], "runtime.env_params", "'bogus'"),
     (["runtime.node_addr_prefix=127.0.300."], "runtime.node_addr_prefix", "127.X.Y."),
