@@ -169,12 +169,17 @@ class NodeAgent:
             why = f"{what} got no answer within {limit:g} s (runtime.engine_handoff_timeout_s)"
         except (EngineError, OSError) as exc:
             why = f"{what} failed: {type(exc).__name__}: {exc}"
+        await self.cmd_kill_engines(reason=f"engine {why}")
+        return why
+
+    async def cmd_kill_engines(self, *, reason: str) -> dict:
+        """Kill this node's engines (hung or dead); the next start_engine starts new ones."""
         engines, self.engines = self.engines, []
         for proc, client in engines:
             await client.close()
         codes = await asyncio.gather(*(asyncio.to_thread(_kill, proc) for proc, _ in engines))
-        log.warning("engine %s: killed %d engine(s) (exit codes %s)", why, len(engines), codes)
-        return why
+        log.warning("%s: killed %d engine(s) (exit codes %s)", reason, len(engines), codes)
+        return {"exit_codes": list(codes)}
 
     async def cmd_start_engine(self, *, version: int) -> dict:
         t0 = time.monotonic()

@@ -33,6 +33,9 @@ Rules (each action lands in `events.jsonl`):
 - **A call that gets no answer from its server** (refused, reset, timed out) makes the
   server suspect: the gateway routes no new runs there until its next good health
   check (else restarted runs would pile onto the dead server, the least loaded).
+- **A draining cell's engines are checked too**: one that fails its checks is killed by
+  its agent (`engine_replaced`, when "drain"), so the calls in flight there fail and
+  the drain ends; the cell's next rollout starts new engines.
 - **A rollout engine is checked** every `runtime.engine_check_s` (GET /health with a
   timeout of `runtime.engine_health_timeout_s`). After `runtime.engine_strikes` failed
   checks in a row (crashed:
@@ -283,13 +286,12 @@ async def watch_engines(coord) -> None:
     while True:
         await asyncio.sleep(rt.engine_check_s)
         checks = [(cell, sid, client) for cell, clients in list(coord.engine_clients.items())
-                  if cell not in coord.busy_cells and coord.table[cell].role is Role.ROLLOUT
-                  for sid, client in list(clients.items())]
+                  if _watched(coord, cell) for sid, client in list(clients.items())]
         results = await asyncio.gather(*(c.health(timeout_s=rt.engine_health_timeout_s)
                                          for _, _, c in checks), return_exceptions=True)
         for (cell, sid, _), res in zip(checks, results):
-            if cell in coord.busy_cells or coord.table[cell].role is not Role.ROLLOUT:
-                continue  # a handoff or a failure began meanwhile
+            if not _watched(coord, cell) or sid not in coord.engine_clients.get(cell, {}):
+                continue  # a handoff, a restart or a failure began meanwhile
             # vLLM says "paused" while it reloads weights: alive
             ok = isinstance(res, dict) and res.get("status") in ("ok", "paused")
             strikes[sid] = 0 if ok else strikes.get(sid, 0) + 1
@@ -299,7 +301,32 @@ async def watch_engines(coord) -> None:
                 strikes[sid] = 0
                 reason = f"{type(res).__name__}: {res}" if isinstance(res, BaseException) \
                     else f"health {res}"
-                request_restart(coord, cell, sid, reason=reason)
+                if coord.table[cell].role is Role.DRAINING:
+                    _spawn(coord, kill_draining_engine(coord, cell, sid, reason=reason))
+                else:
+                    request_restart(coord, cell, sid, reason=reason)
+
+
+def _watched(coord, cell: int) -> bool:
+    """Cells whose engines are health-checked: serving ones, and ones draining towards
+    training (a hung engine's calls would never end, and the drain waits for them)."""
+    role = coord.table[cell].role
+    return (role is Role.ROLLOUT and cell not in coord.busy_cells) or role is Role.DRAINING
+
+
+async def kill_draining_engine(coord, cell: int, sid: str, *, reason: str) -> None:
+    """A draining cell's engine is hung or dead: its agent kills the node's engines, so
+    that the calls in flight there fail (their runs restart elsewhere) and the drain
+    ends; the cell's next rollout starts new engines."""
+    _, node, _ = (int(x) for x in SERVER_ID.match(sid).groups())
+    coord.rd.event("engine_unhealthy", cell=cell, server=sid, reason=reason[:300],
+                   restart=0, draining=True)
+    try:
+        await coord.agents[node].post("/cmd/kill_engines", {"reason": reason[:300]})
+    except AgentUnreachable as exc:
+        node_lost(coord, node, reason=str(exc))
+        return
+    coord.rd.event("engine_replaced", cell=cell, node=node, when="drain", reason=reason[:300])
 
 
 async def restart_engine(coord, cell: int, sid: str, *, reason: str, attempt: int) -> None:
