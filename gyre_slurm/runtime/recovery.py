@@ -38,11 +38,11 @@ Rules (each action lands in `events.jsonl`):
   the drain ends; the cell's next rollout starts new engines.
 - **A rollout engine is checked** every `runtime.engine_check_s` (GET /health with a
   timeout of `runtime.engine_health_timeout_s`). After `runtime.engine_strikes` failed
-  checks in a row (crashed:
-  connection refused; hung: no answer) the server is drained and its node agent kills
-  the engine process and starts a new one on the same cell after a backoff (0.5 s,
-  doubling per restart of that server, at most 8 s), at the current policy version;
-  the new server replaces the old one in the gateway (`engine_restarted`). A server
+  checks in a row (crashed: connection refused; hung: no answer) the server is drained
+  and its node agent kills the engine process and starts a new one on the same cell
+  after a backoff (0.5 s, doubling per restart of that server, at most 8 s), at the
+  current policy version; the new server replaces the old one in the gateway
+  (`engine_restarted`). A server
   restarted more than `runtime.max_engine_restarts` times marks its cell failed.
 """
 
@@ -172,9 +172,19 @@ async def _retire_server(coord, cell: int, sid: str) -> None:
     await client.close()
 
 
-def _checkpointed(coord) -> bool:
-    path = coord.rd.checkpoints / f"step_{coord.book.version:06d}"
-    return (path / "coordinator.json").exists() and (path / coord.world.state_name).exists()
+def _checkpointed_state(coord):
+    """The trainer state of the checkpoint of the current version, or None when there
+    is no such checkpoint (or it names another version, or lacks the state)."""
+    import json
+
+    version = coord.book.version
+    path = coord.rd.checkpoints / f"step_{version:06d}"
+    try:
+        saved = json.loads((path / "coordinator.json").read_text())["version"]
+    except (OSError, ValueError, KeyError):
+        return None
+    state = path / coord.world.state_name
+    return state if saved == version and state.exists() else None
 
 
 async def _checkpoint_from_survivor(coord, gone: list[int]) -> None:
@@ -205,16 +215,10 @@ async def _checkpoint_from_survivor(coord, gone: list[int]) -> None:
 def restore_point(coord):
     """The trainer state after the last optimizer step: the checkpoint of the current
     version, or None (the initial weights) before the first step."""
-    import json
-
     version = coord.book.version
-    path = coord.rd.checkpoints / f"step_{version:06d}"
-    try:
-        saved = json.loads((path / "coordinator.json").read_text())["version"]
-    except (OSError, ValueError, KeyError):
-        saved = None
-    if saved == version and (path / coord.world.state_name).exists():
-        return path / coord.world.state_name
+    state = _checkpointed_state(coord)
+    if state is not None:
+        return state
     if version == 0 and coord.resume_state is None:
         return None
     why = ("its trainer is sharded (the lost member's shard of that state is gone)"
@@ -243,7 +247,7 @@ async def rebuild_without_lost(coord, unfinished=None) -> None:
     hit_members = bool(set(gone) & set(coord.world.members))
     assert hit_members or unfinished is None, "a micro-batch failed with no member lost"
     t0 = time.monotonic()
-    if hit_members and unfinished is None and not _checkpointed(coord):
+    if hit_members and unfinished is None and _checkpointed_state(coord) is None:
         await _checkpoint_from_survivor(coord, gone)
     restore = restore_point(coord) if hit_members else None
     timings = await coord.world.drop(gone, restore=restore)

@@ -6,9 +6,8 @@
 The node agent starts one per training rank of its node, whatever the trainer (a rank
 blocked in a collective can be killed at once; Megatron-core needs another Python, 3.12
 with its own torch build; several ranks per node, one per GPU; a container). The
-process keeps its
-worker (`TrainerWorker` or `MegatronWorker`: one API) for the whole job, so a handoff
-rebuilds process groups without starting Python again.
+process keeps its worker (`TrainerWorker` or `MegatronWorker`: one API) for the whole
+job, so a handoff rebuilds process groups without starting Python again.
 
 Protocol: one JSON object per line. Request `{"id": N, "method": NAME, "args": {...}}`;
 answer `{"id": N, "result": {...}}` or `{"id": N, "error": "Type: message",
