@@ -222,19 +222,24 @@ def test_keep_workdir_and_unsafe_isolation_none():
 
 
 def test_sandbox_runs_as_an_unprivileged_user_with_a_process_limit(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("the uid drop is what happens as root")
+    # As root the command drops to nobody; as another user it keeps that user's uid.
+    root = os.geteuid() == 0
+    uid = 65534 if root else os.geteuid()
     sb = Sandbox(tmp_path, limits=Limits(nproc=16, time_s=20.0))
-    os.chown(tmp_path, 65534, 65534)
+    if root:
+        os.chown(tmp_path, uid, uid)
     forks = ("import os, time\nn = 0\nfor _ in range(40):\n    try:\n        pid = os.fork()\n"
              "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(2)\n"
              "        os._exit(0)\n    n += 1\nprint('forked', n)\n")
     res = run(sb.run(f"id -u; grep CapEff /proc/self/status; cat /etc/shadow; "
                      f"python3 -c \"{forks}\""))
     lines = res.output.splitlines()
-    assert lines[0] == "65534" and lines[1].split()[1] == "0000000000000000", res.output
+    assert lines[0] == str(uid) and lines[1].split()[1] == "0000000000000000", res.output
     assert "Permission denied" in lines[2], res.output
-    assert lines[3].startswith("forked ") and 5 < int(lines[3].split()[1]) < 16, res.output
+    # RLIMIT_NPROC counts the sandbox's processes (root's own user namespace per command);
+    # as another user it counts all of that user's processes, so only the cap is certain
+    forked = int(lines[3].split()[1]) if lines[3].startswith("forked ") else -1
+    assert (5 if root else -1) < forked < 16, res.output
 
 
 def test_limit_reasons_and_seccomp_program():

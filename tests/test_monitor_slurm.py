@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,8 +37,9 @@ def test_find_run_dir_without_slurm_is_a_clear_error(monkeypatch, tmp_path):
         find_run_dir("4242")
 
 
-@pytest.mark.skipif(shutil.which("scontrol") is None, reason="no scontrol on this machine")
-def test_find_run_dir_of_a_job_slurm_does_not_know_is_a_clear_error():
+def test_find_run_dir_of_a_job_slurm_does_not_know_is_a_clear_error(slurm_cluster, monkeypatch):
+    # the local cluster's fixture installs Slurm first (a fresh machine has no scontrol)
+    monkeypatch.setenv("SLURM_CONF", slurm_cluster.env()["SLURM_CONF"])
     with pytest.raises(UserError, match="job 99999999"):
         find_run_dir("99999999")
 
