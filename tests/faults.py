@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from gyre_slurm.runtime.fsio import read_jsonl
+from gyre_slurm.common.fsio import read_jsonl
 
 
 def events(run_dir: Path, kind: str | None = None, **fields: Any) -> list[dict]:

@@ -5,7 +5,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from gyre_slurm.runtime.fsio import read_jsonl
+from gyre_slurm.common.fsio import read_jsonl
 from gyre_slurm.traj.process import process_run
 from gyre_slurm.traj.store import load_store
 

@@ -24,10 +24,10 @@ import pytest
 from faults import wait_for
 from aiohttp import web
 
+from gyre_slurm.common.fsio import read_jsonl
 from gyre_slurm.gateway import Gateway
 from gyre_slurm.models import tiny
 from gyre_slurm.runtime import control
-from gyre_slurm.runtime.fsio import read_jsonl
 from gyre_slurm.traj.store import CallStoreWriter
 from runtime_checks import check_run_dir
 from test_runtime_e2e import FAST, ROOT

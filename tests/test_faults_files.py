@@ -32,7 +32,7 @@ from traj_helpers import mk_call
 from gyre_slurm.models import tiny
 from gyre_slurm.monitor import model
 from gyre_slurm.runtime import checkpoint
-from gyre_slurm.runtime.fsio import (
+from gyre_slurm.common.fsio import (
     DiskFull, append_jsonl, drop_torn_tail, read_jsonl, write_bytes_atomic,
 )
 from gyre_slurm.traj.store import CallStoreReader, CallStoreWriter, RunBuffer, load_store

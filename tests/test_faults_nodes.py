@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import faults
+from gyre_slurm.common.fsio import read_jsonl
 from gyre_slurm.runtime.book import StepBook
-from gyre_slurm.runtime.fsio import read_jsonl
 from runtime_checks import check_run_dir
 from test_runtime_e2e import FAST, ROOT
 

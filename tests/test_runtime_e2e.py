@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre_slurm.runtime.fsio import read_jsonl
+from gyre_slurm.common.fsio import read_jsonl
 from runtime_checks import check_run_dir, trained_trajectories
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gyre_slurm.runtime.fsio import read_jsonl
+from gyre_slurm.common.fsio import read_jsonl
 from runtime_checks import check_run_dir
 from test_runtime_e2e import FAST, gyre_run
 

@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 
 from gyre_slurm.config.schema import load_config
 from gyre_slurm.sched.baselines import AsyncPolicy
+from gyre_slurm.sched.policies import feasible_async_splits, named_policy
 from gyre_slurm.sim.bounds import lower_bound
-from gyre_slurm.sim.runner import feasible_async_splits, named_policy, simulate
+from gyre_slurm.sim.runner import simulate
 from gyre_slurm.sim.workload import sample_workload
 
 POLICIES = ["elastic", "colocate", "async-split", "elastic-nostream", "elastic-nofloor",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gyre_slurm.runtime.fsio import read_jsonl
+from gyre_slurm.common.fsio import read_jsonl
 from runtime_checks import check_run_dir
 
 ROOT = Path(__file__).resolve().parent.parent

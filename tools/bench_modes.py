@@ -47,10 +47,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from gyre_slurm.common.fsio import read_jsonl, write_json_atomic  # noqa: E402
 from gyre_slurm.config.loader import apply_overrides, dump_yaml, from_dict, load_yaml_file, to_dict  # noqa: E402
 from gyre_slurm.config.schema import GyreConfig  # noqa: E402
 from gyre_slurm.runtime.book import run_id_of  # noqa: E402
-from gyre_slurm.runtime.fsio import read_jsonl, write_json_atomic  # noqa: E402
 
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
             "PREEMPTED", "BOOT_FAIL", "DEADLINE")
@@ -261,7 +261,7 @@ def sim_config(base: dict, label: str, costs: dict) -> GyreConfig:
 
 def sim_policy(cfg: GyreConfig, label: str):
     from gyre_slurm.sched.baselines import AsyncPolicy
-    from gyre_slurm.sim.runner import named_policy
+    from gyre_slurm.sched.policies import named_policy
 
     if label.startswith("async"):  # the runtime trains async in a stream too
         return AsyncPolicy(rollout_cells=cfg.scheduler.async_rollout_cells, streaming=True,

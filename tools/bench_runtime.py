@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gyre_slurm.runtime.fsio import read_jsonl  # noqa: E402
+from gyre_slurm.common.fsio import read_jsonl  # noqa: E402
 
 
 def gyre_run(run_dir: Path, *sets: str) -> subprocess.Popen:

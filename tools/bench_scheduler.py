@@ -22,9 +22,10 @@ from gyre_slurm.config.presets import preset_path
 from gyre_slurm.config.schema import SchedulerConfig, load_config
 from gyre_slurm.sched.cells import Role
 from gyre_slurm.sched.elastic import ElasticPolicy
+from gyre_slurm.sched.policies import named_policy
 from gyre_slurm.sched.types import CellObs, Observation
 from gyre_slurm.sched.waterlevel import DurationModel
-from gyre_slurm.sim.runner import compare, named_policy, simulate
+from gyre_slurm.sim.runner import compare, simulate
 from gyre_slurm.sim.workload import sample_workload
 
 

@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import faults  # noqa: E402  (tests/faults.py: find a run's processes, signal them)
 from runtime_checks import trained_trajectories  # noqa: E402
-from gyre_slurm.runtime.fsio import read_jsonl  # noqa: E402
+from gyre_slurm.common.fsio import read_jsonl  # noqa: E402
 
 KINDS = ("agent", "engine-kill", "engine-hang", "coordinator")
 

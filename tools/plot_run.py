@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gyre_slurm.runtime.fsio import read_jsonl  # noqa: E402
+from gyre_slurm.common.fsio import read_jsonl  # noqa: E402
 from gyre_slurm.monitor.model import role_segments  # noqa: E402
 from gyre_slurm.sim.report import ROLE_COLORS  # noqa: E402
 

@@ -40,10 +40,10 @@ from typing import Any
 
 from aiohttp import web
 
+from gyre_slurm.common import fsio
+from gyre_slurm.common.web import auth_middleware
 from gyre_slurm.engines.sampler import BadRequest, Released, Sampler, parse_generate
 from gyre_slurm.errors import UserError
-from gyre_slurm.runtime import fsio
-from gyre_slurm.runtime.control import auth_middleware
 
 log = logging.getLogger(__name__)
 

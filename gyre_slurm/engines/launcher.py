@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import gyre_slurm
+from gyre_slurm.common import fsio
 from gyre_slurm.engines.client import EngineClient, EngineError
-from gyre_slurm.runtime import fsio
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ Access: every route needs `Authorization: Bearer <run secret>` (401 otherwise), 
 models list included: none is left open, because only the run's own agents (which hold
 the key) have any business here, and the coordinator watches the gateway in-process,
 so no health route is needed. The gateway binds one node's own address (a wildcard is
-refused). A body is read through `runtime.control.read_json_object`: 415 unless JSON,
+refused). A body is read through `common.web.read_json_object`: 415 unless JSON,
 413 over `MAX_BODY_BYTES`, 408 if it does not arrive within `body_timeout_s`, 400 for
 bytes that are not UTF-8 or JSON (NaN, Infinity, deep nesting included); field checks
 (`gateway.openai`) answer 400, and so does a prompt whose `max_tokens` would run past the
@@ -32,6 +32,7 @@ from typing import Any
 import jinja2
 from aiohttp import web
 
+from gyre_slurm.common.web import BODY_TIMEOUT_S, IDLE_TIMEOUT_S, BadRequest, read_json_object
 from gyre_slurm.engines.client import EngineClient, EngineError
 from gyre_slurm.engines.embedded import check_loopback
 from gyre_slurm.gateway import openai, tools
@@ -39,7 +40,6 @@ from gyre_slurm.gateway.history import Anchor, History, Served, turn_anchor
 from gyre_slurm.gateway.router import NoServer, Router
 from gyre_slurm.gateway.text import cut_at_stop, token_pieces
 from gyre_slurm.models import tiny
-from gyre_slurm.runtime.control import BODY_TIMEOUT_S, IDLE_TIMEOUT_S, BadRequest, read_json_object
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gyre_slurm.runtime.fsio import BadLine, parse_jsonl
+from gyre_slurm.common.fsio import BadLine, parse_jsonl
 
 FAILURE_KINDS = ("agent_lost", "handoff_failed")
 WINDOW_S = 60.0

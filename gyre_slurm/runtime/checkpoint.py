@@ -54,7 +54,7 @@ from pathlib import Path
 from gyre_slurm.errors import UserError
 from gyre_slurm.models import tiny
 from gyre_slurm.runtime.book import run_id_of
-from gyre_slurm.runtime.fsio import (
+from gyre_slurm.common.fsio import (
     BadLine, DiskFull, drop_torn_tail, free_bytes, fsync_dir, is_disk_full, read_jsonl,
     write_bytes_atomic, write_json_atomic,
 )

@@ -46,6 +46,7 @@ from gyre_slurm.runtime.rollouts import RolloutManager
 from gyre_slurm.runtime.rundir import RunDir
 from gyre_slurm.runtime.world import TrainWorld
 from gyre_slurm.sched.cells import Cell, CellTable, Role
+from gyre_slurm.sched.policies import run_policy
 from gyre_slurm.sched.types import CellObs, Observation
 
 log = logging.getLogger(__name__)
@@ -57,11 +58,8 @@ class AgentLost(RuntimeError):
 
 class Coordinator:
     def __init__(self, cfg: GyreConfig, run_dir: Path, *, resume: bool = False):
-        from gyre_slurm.sim.runner import named_policy
-
         self.cfg, self.rd, self.resume = cfg, RunDir(run_dir), resume
-        self.policy = named_policy(cfg, cfg.scheduler.policy) if cfg.scheduler.policy != "async" \
-            else _async_policy(cfg)
+        self.policy = run_policy(cfg)
         stale = cfg.training.max_staleness
         if self.policy.max_staleness is not None:
             stale = min(stale, self.policy.max_staleness)
@@ -446,10 +444,3 @@ class Coordinator:
                     pass  # events.jsonl is on the full disk too: the error says it all
                 raise self.call_writer.error
             await asyncio.sleep(0.5)
-
-
-def _async_policy(cfg: GyreConfig):
-    from gyre_slurm.sched.baselines import AsyncPolicy
-
-    return AsyncPolicy(rollout_cells=cfg.scheduler.async_rollout_cells,
-                       streaming=cfg.scheduler.streaming)

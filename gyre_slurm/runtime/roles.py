@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 
 import gyre_slurm
+from gyre_slurm.common.fsio import write_json_atomic
 from gyre_slurm.errors import UserError
-from gyre_slurm.runtime.fsio import write_json_atomic
 
 PACKAGE_ROOT = Path(gyre_slurm.__file__).resolve().parent.parent
 ROLES_FILE = "roles.json"

@@ -23,9 +23,9 @@ import re
 import time
 from pathlib import Path
 
+from gyre_slurm.common.fsio import append_jsonl
 from gyre_slurm.config.schema import GyreConfig
 from gyre_slurm.runtime.book import StepBook
-from gyre_slurm.runtime.fsio import append_jsonl
 from gyre_slurm.runtime.rundir import RunDir
 
 log = logging.getLogger(__name__)

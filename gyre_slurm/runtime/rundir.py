@@ -31,9 +31,9 @@ import secrets
 import time
 from pathlib import Path
 
+from gyre_slurm.common.fsio import append_jsonl, write_bytes_atomic, write_json_atomic
 from gyre_slurm.config.loader import dump_yaml
 from gyre_slurm.config.schema import GyreConfig
-from gyre_slurm.runtime.fsio import append_jsonl, write_bytes_atomic, write_json_atomic
 
 
 PRIVATE_DIRS = ("checkpoints", "weights", "trainer_state")  # the model's state: owner only

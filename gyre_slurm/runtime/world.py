@@ -37,8 +37,8 @@ from pathlib import Path
 
 import shutil
 
+from gyre_slurm.common.fsio import write_json_atomic
 from gyre_slurm.runtime.control import ControlClient
-from gyre_slurm.runtime.fsio import write_json_atomic
 
 
 class TrainWorld:

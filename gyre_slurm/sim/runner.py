@@ -1,6 +1,6 @@
 """Run the simulator for every policy of a comparison, and find async's best split.
 
-Names in a comparison:
+The policies are built by name in `gyre_slurm.sched.policies`. Names in a comparison:
   elastic            the elastic policy as configured
   colocate           all cells roll out, then all train
   async              the best fixed split (searched), training one step behind
@@ -15,58 +15,22 @@ Names in a comparison:
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
-from typing import Callable
 
 from gyre_slurm.config.schema import GyreConfig
-from gyre_slurm.sched.baselines import AsyncPolicy, ColocatePolicy
-from gyre_slurm.sched.elastic import ElasticPolicy
+from gyre_slurm.sched.baselines import AsyncPolicy
+from gyre_slurm.sched.policies import feasible_async_splits, named_policy
 from gyre_slurm.sched.types import Policy
 from gyre_slurm.sim.bounds import lower_bound
 from gyre_slurm.sim.engine import SimResult, Simulator
-from gyre_slurm.sim.workload import Workload, duration_model, sample_workload
+from gyre_slurm.sim.workload import Workload, sample_workload
 
 MAIN = ("elastic", "colocate", "async")
 ABLATIONS = ("elastic-nostream", "elastic-nofloor", "elastic-naive", "async-stream")
 
 
-def make_elastic(cfg: GyreConfig, *, base_dir: Path | None = None, name: str = "elastic",
-                 **changes) -> ElasticPolicy:
-    sched = dataclasses.replace(cfg.scheduler, **changes)
-    return ElasticPolicy(sched, durations=duration_model(cfg, base_dir=base_dir), name=name,
-                         work_horizon_s=cfg.workload.duration.mean_s / 4)
-
-
-def named_policy(cfg: GyreConfig, name: str, *, base_dir: Path | None = None) -> Policy:
-    factories: dict[str, Callable[[], Policy]] = {
-        "elastic": lambda: make_elastic(cfg, base_dir=base_dir),
-        "colocate": ColocatePolicy,
-        "async-even": lambda: AsyncPolicy(name="async-even", rollout_cells=min(
-            cfg.cluster.num_cells // 2, feasible_async_splits(cfg)[-1])),
-        "elastic-nostream": lambda: make_elastic(cfg, base_dir=base_dir, streaming=False,
-                                                 name="elastic-nostream"),
-        "elastic-nofloor": lambda: make_elastic(cfg, base_dir=base_dir, min_rollout_cells=0,
-                                                min_train_cells=0, name="elastic-nofloor"),
-        "elastic-naive": lambda: make_elastic(cfg, base_dir=base_dir, forecast=False,
-                                              cost_gate=False, drain="wait",
-                                              name="elastic-naive"),
-    }
-    if name.startswith("async-split-"):
-        return AsyncPolicy(rollout_cells=int(name.rsplit("-", 1)[1]), name=name)
-    if name not in factories:
-        raise KeyError(name)
-    return factories[name]()
-
-
 def simulate(cfg: GyreConfig, policy: Policy, workload: Workload) -> SimResult:
     return Simulator(cfg, policy, workload).run()
-
-
-def feasible_async_splits(cfg: GyreConfig) -> tuple[int, ...]:
-    """Rollout-cell counts that leave training at least one whole model replica."""
-    min_train = math.ceil(cfg.training.min_replica_nodes / cfg.cluster.cell_nodes)
-    return tuple(range(1, cfg.cluster.num_cells - min_train + 1))
 
 
 def best_async(cfg: GyreConfig, workload: Workload, *, streaming: bool = False,

@@ -16,8 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from gyre_slurm.config.schema import DurationConfig, GyreConfig
-from gyre_slurm.errors import ConfigError
-from gyre_slurm.sched.waterlevel import DurationModel
+from gyre_slurm.config.trace import load_trace
 
 
 @dataclass(frozen=True)
@@ -48,23 +47,6 @@ def sample_durations(cfg: DurationConfig, num: int, rng: np.random.Generator,
     return out.astype(np.float64)
 
 
-def load_trace(path: str | None, *, base_dir: Path | None = None) -> np.ndarray:
-    p = Path(path or "")
-    if not p.is_absolute() and base_dir is not None:
-        p = base_dir / p
-    try:
-        lines = p.read_text().split()
-    except OSError as exc:
-        raise ConfigError(f"workload.duration.trace_file {p}: {exc.strerror}") from exc
-    try:
-        values = np.array([float(x) for x in lines], dtype=np.float64)
-    except ValueError as exc:
-        raise ConfigError(f"{p}: expected one duration in seconds per line ({exc})") from exc
-    if values.size == 0 or np.any(values <= 0) or not np.all(np.isfinite(values)):
-        raise ConfigError(f"{p}: durations must be positive numbers, at least one")
-    return values
-
-
 def sample_workload(cfg: GyreConfig, *, base_dir: Path | None = None) -> Workload:
     w = cfg.workload
     rng = np.random.default_rng(cfg.sim.seed)
@@ -79,12 +61,3 @@ def sample_workload(cfg: GyreConfig, *, base_dir: Path | None = None) -> Workloa
         batch=index // w.runs_per_step, group=index // w.group_size,
         num_steps=w.num_steps, runs_per_step=w.runs_per_step, group_size=w.group_size,
     )
-
-
-def duration_model(cfg: GyreConfig, *, base_dir: Path | None = None) -> DurationModel:
-    """The prior the elastic forecast uses: the configured distribution (a trace: its
-    empirical survival). The policy never sees the sampled durations themselves."""
-    d = cfg.workload.duration
-    if d.dist == "trace":
-        return DurationModel.empirical(load_trace(d.trace_file, base_dir=base_dir))
-    return DurationModel.lognormal(mean_s=d.mean_s, sigma=d.sigma, max_s=d.max_s)

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from gyre_slurm.errors import UserError
-from gyre_slurm.runtime.fsio import DiskFull, is_disk_full, write_all
+from gyre_slurm.common.fsio import DiskFull, is_disk_full, write_all
 from gyre_slurm.traj.delta import CallDelta
 from gyre_slurm.traj.encode import DeltaEncoder
 from gyre_slurm.traj.records import (

@@ -1,0 +1,80 @@
+"""Policies by name, built from a config: what `gyre run` runs and what the simulator
+compares. The coordinator and the simulator both build their policy here, so the runtime
+never reaches into the simulator for it.
+
+Names:
+  elastic            the elastic policy as configured
+  colocate           all cells roll out, then all train
+  async-even         half the cells roll out (capped so training keeps a replica)
+  async-split-R      a fixed split with R rollout cells
+  elastic-nostream   ablation: elastic, whole-batch training
+  elastic-nofloor    ablation: elastic without standalone floors
+  elastic-naive      ablation: DESIGN 5's working rule (no forecast, no cost gate, wait drain)
+(`async` itself is the split a job configures, `run_policy`, or the best split the
+simulator finds, `sim.runner.best_async`.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Callable
+
+from gyre_slurm.config.schema import GyreConfig
+from gyre_slurm.config.trace import load_trace
+from gyre_slurm.sched.baselines import AsyncPolicy, ColocatePolicy
+from gyre_slurm.sched.elastic import ElasticPolicy
+from gyre_slurm.sched.types import Policy
+from gyre_slurm.sched.waterlevel import DurationModel
+
+
+def run_policy(cfg: GyreConfig) -> Policy:
+    """The policy a job runs: `scheduler.policy`; `async` at `scheduler.async_rollout_cells`."""
+    if cfg.scheduler.policy == "async":
+        return AsyncPolicy(rollout_cells=cfg.scheduler.async_rollout_cells,
+                           streaming=cfg.scheduler.streaming)
+    return named_policy(cfg, cfg.scheduler.policy)
+
+
+def duration_model(cfg: GyreConfig, *, base_dir: Path | None = None) -> DurationModel:
+    """The prior the elastic forecast uses: the configured distribution (a trace: its
+    empirical survival). The policy never sees the sampled durations themselves."""
+    d = cfg.workload.duration
+    if d.dist == "trace":
+        return DurationModel.empirical(load_trace(d.trace_file, base_dir=base_dir))
+    return DurationModel.lognormal(mean_s=d.mean_s, sigma=d.sigma, max_s=d.max_s)
+
+
+def make_elastic(cfg: GyreConfig, *, base_dir: Path | None = None, name: str = "elastic",
+                 **changes) -> ElasticPolicy:
+    sched = dataclasses.replace(cfg.scheduler, **changes)
+    return ElasticPolicy(sched, durations=duration_model(cfg, base_dir=base_dir), name=name,
+                         work_horizon_s=cfg.workload.duration.mean_s / 4)
+
+
+def named_policy(cfg: GyreConfig, name: str, *, base_dir: Path | None = None) -> Policy:
+    factories: dict[str, Callable[[], Policy]] = {
+        "elastic": lambda: make_elastic(cfg, base_dir=base_dir),
+        "colocate": ColocatePolicy,
+        "async-even": lambda: AsyncPolicy(name="async-even", rollout_cells=min(
+            cfg.cluster.num_cells // 2, feasible_async_splits(cfg)[-1])),
+        "elastic-nostream": lambda: make_elastic(cfg, base_dir=base_dir, streaming=False,
+                                                 name="elastic-nostream"),
+        "elastic-nofloor": lambda: make_elastic(cfg, base_dir=base_dir, min_rollout_cells=0,
+                                                min_train_cells=0, name="elastic-nofloor"),
+        "elastic-naive": lambda: make_elastic(cfg, base_dir=base_dir, forecast=False,
+                                              cost_gate=False, drain="wait",
+                                              name="elastic-naive"),
+    }
+    if name.startswith("async-split-"):
+        return AsyncPolicy(rollout_cells=int(name.rsplit("-", 1)[1]), name=name)
+    if name not in factories:
+        raise KeyError(name)
+    return factories[name]()
+
+
+def feasible_async_splits(cfg: GyreConfig) -> tuple[int, ...]:
+    """Rollout-cell counts that leave training at least one whole model replica."""
+    min_train = math.ceil(cfg.training.min_replica_nodes / cfg.cluster.cell_nodes)
+    return tuple(range(1, cfg.cluster.num_cells - min_train + 1))
