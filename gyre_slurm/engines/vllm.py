@@ -69,6 +69,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -319,14 +320,15 @@ def start_vllm(*, python: str, model_dir: str | Path, weights_dir: str | Path,
                device: str = "cpu", kv_cache_gb: float = 1.0, num_threads: int = 1,
                ready_timeout_s: float = 300.0, stop_grace_s: float = 10.0,
                serve_dir: str | Path | None = None, bind_retries: int = 3,
-               prefix: Sequence[str] = (), extra_env: dict[str, str] | None = None
-               ) -> VllmProcess:
+               prefix: Sequence[str] = (), extra_env: dict[str, str] | None = None,
+               cancel: threading.Event | None = None) -> VllmProcess:
     """Start vLLM on `host` serving `weights_dir` as policy `version`; block until
     /health answers 200 (EngineError with the log tail if it exits or times out; the
     process group is then stopped). `device`: "cpu" (float32, eager, no sleep mode) or
     "gpu" (sleep mode on). Output goes to `log_path` (appended). `prefix` goes before
     the command (a container step, `gyre_slurm.runtime.roles`); `extra_env` adds to the
-    environment (e.g. the server's CUDA_VISIBLE_DEVICES)."""
+    environment (e.g. the server's CUDA_VISIBLE_DEVICES). Setting `cancel` (from another
+    thread) stops the start: the process group is stopped and EngineError raised."""
     if device not in ("cpu", "gpu"):
         raise UserError(f"device {device!r}: choose cpu or gpu")
     check_loopback(host)
@@ -359,9 +361,11 @@ def start_vllm(*, python: str, model_dir: str | Path, weights_dir: str | Path,
         log.info("started vLLM (supervisor pid %d) on %s:%d (log %s)", proc.pid, host,
                  chosen, log_path)
         try:
-            _wait_ready(proc, secret, timeout_s=ready_timeout_s)
+            _wait_ready(proc, secret, timeout_s=ready_timeout_s, cancel=cancel)
         except EngineError:
             proc.stop(timeout_s=5.0)
+            if cancel is not None and cancel.is_set():
+                raise
             if port is None and attempt < bind_retries and _bind_race(log_path, start):
                 log.warning("port %d was taken meanwhile: retrying on another", chosen)
                 continue
@@ -382,9 +386,13 @@ def _bind_race(log_path: Path, start: int) -> bool:
     return "Address already in use" in text or "Errno 98" in text
 
 
-def _wait_ready(proc: VllmProcess, secret: str, *, timeout_s: float) -> None:
+def _wait_ready(proc: VllmProcess, secret: str, *, timeout_s: float,
+                cancel: threading.Event | None = None) -> None:
     t0 = time.monotonic()
     while True:
+        if cancel is not None and cancel.is_set():
+            raise EngineError(f"vLLM start cancelled; log {proc.log_path}",
+                              base_url=proc.base_url)
         if not proc.alive():
             raise EngineError(f"vLLM exited with code {proc.popen.returncode} before "
                               f"serving; log {proc.log_path}:\n{proc.log_tail()}",

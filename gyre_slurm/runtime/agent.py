@@ -29,9 +29,9 @@ from pathlib import Path
 from aiohttp import web
 
 from gyre_slurm.config.schema import load_config
-from gyre_slurm.engines.client import EngineError
 from gyre_slurm.models.tiny import weights_dir
 from gyre_slurm.runtime.control import ControlClient, make_app
+from gyre_slurm.runtime.node_engines import BadEngineCommand, EnginesClosed, NodeEngines
 from gyre_slurm.runtime.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,9 @@ class NodeAgent:
         from gyre_slurm.runtime.roles import read_roles
 
         self.roles = read_roles(self.rd.path)
-        self.engines: list = []  # (engine process, client) of this node's servers
+        self.engines = NodeEngines(node_index=node_index, count=self.cfg.servers_per_node,
+                                   start_one=self._start_one, make_client=self._client,
+                                   handoff_timeout_s=self.cfg.runtime.engine_handoff_timeout_s)
         self.ranks = None  # runtime.ranks.RankProcesses, once started
         self._ranks_started: asyncio.Task | None = None  # their one start, awaited by all
         self.stopping = asyncio.Event()
@@ -103,8 +105,10 @@ class NodeAgent:
         payload = await request.json() if request.can_read_body else {}
         try:
             result = await handler(**payload)
-        except TypeError as exc:
+        except (TypeError, BadEngineCommand) as exc:
             return web.json_response({"error": f"bad arguments for {name}: {exc}"}, status=400)
+        except EnginesClosed as exc:
+            return web.json_response({"error": f"{name}: {exc}"}, status=503)
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator
             log.exception("command %s failed", name)
             return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)
@@ -123,7 +127,8 @@ class NodeAgent:
         ids = visible or [str(i) for i in range(gpus)]
         return ",".join(ids[k * per:(k + 1) * per])
 
-    def _start_one(self, k: int, version: int):
+    def _start_one(self, k: int, version: int, cancel=None):
+        """Start server k (blocking: called in a thread by `NodeEngines`)."""
         from gyre_slurm.engines import start_engine
         from gyre_slurm.runtime.roles import command_prefix
 
@@ -144,12 +149,12 @@ class NodeAgent:
                 max_model_len=self.cfg.rollout.max_model_len,
                 extra_args=list(self.cfg.rollout.engine_args),
                 device="gpu" if self.cfg.cluster.gpus_per_node else "cpu",
-                extra_env={"CUDA_VISIBLE_DEVICES": gpus} if gpus else None)
+                extra_env={"CUDA_VISIBLE_DEVICES": gpus} if gpus else None, cancel=cancel)
         return start_engine(model_dir=self.rd.model_dir, host=self.addr,
                             weights_dir=weights_dir(self.rd.path, version), version=version,
                             secret_file=self.rd.secret_file, log_path=log_path,
                             python=role["python"],
-                            prefix=command_prefix(role, run_dir=self.rd.path))
+                            prefix=command_prefix(role, run_dir=self.rd.path), cancel=cancel)
 
     def _client(self, proc):
         from gyre_slurm.engines import make_client
@@ -157,81 +162,39 @@ class NodeAgent:
         return make_client(self.cfg.rollout.engine, proc.base_url, self.secret,
                            release_mode=self.cfg.release_mode)
 
-    async def _within_handoff_timeout(self, what: str, calls) -> str | None:
-        """Await the engines' `calls`; None when all answered in time, else why not —
-        and then every engine of this node is killed (a hung or dead engine must not
-        hold a handoff; the cell's next rollout starts new ones)."""
-        limit = self.cfg.runtime.engine_handoff_timeout_s
-        try:
-            await asyncio.wait_for(asyncio.gather(*calls), limit)
-            return None
-        except asyncio.TimeoutError:
-            why = f"{what} got no answer within {limit:g} s (runtime.engine_handoff_timeout_s)"
-        except (EngineError, OSError) as exc:
-            why = f"{what} failed: {type(exc).__name__}: {exc}"
-        await self.cmd_kill_engines(reason=f"engine {why}")
-        return why
-
+    # Engine commands go through `NodeEngines` (runtime.node_engines): one at a time,
+    # a restart only of the server the coordinator means, kill and shutdown first.
     async def cmd_kill_engines(self, *, reason: str) -> dict:
         """Kill this node's engines (hung or dead); the next start_engine starts new ones."""
-        engines, self.engines = self.engines, []
-        for proc, client in engines:
-            await client.close()
-        codes = await asyncio.gather(*(asyncio.to_thread(_kill, proc) for proc, _ in engines))
-        log.warning("%s: killed %d engine(s) (exit codes %s)", reason, len(engines), codes)
-        return {"exit_codes": list(codes)}
+        return {"exit_codes": await self.engines.kill(reason=reason)}
 
     async def cmd_start_engine(self, *, version: int) -> dict:
         t0 = time.monotonic()
-        replaced = None
-        if self.engines:
-            path = str(weights_dir(self.rd.path, version))
-            replaced = await self._within_handoff_timeout("resume", [
-                client.resume(path, version) for _, client in self.engines])
-        if not self.engines:
-            procs = await asyncio.gather(*(asyncio.to_thread(self._start_one, k, version)
-                                           for k in range(self.cfg.servers_per_node)))
-            self.engines = [(proc, self._client(proc)) for proc in procs]
-        return {"base_urls": [proc.base_url for proc, _ in self.engines],
-                "engine_kind": self.cfg.rollout.engine, "replaced": replaced,
-                "engine_start_s": time.monotonic() - t0}
+        replaced = await self.engines.start(
+            version=version, weights_path=str(weights_dir(self.rd.path, version)))
+        return {"base_urls": self.engines.base_urls, "engine_kind": self.cfg.rollout.engine,
+                "replaced": replaced, "engine_start_s": time.monotonic() - t0}
 
     async def cmd_release_engine(self) -> dict:
         t0 = time.monotonic()
-        killed = None
-        if self.cfg.release_mode == "stop":
-            await self.shutdown_engine()
-        else:
-            killed = await self._within_handoff_timeout("release", [
-                client.release() for _, client in self.engines])
+        killed = await self.engines.release(stop=self.cfg.release_mode == "stop")
         return {"engine_release_s": time.monotonic() - t0, "killed": killed}
 
-    async def cmd_restart_engine(self, *, server: int, version: int,
-                                 backoff_s: float = 0.0) -> dict:
+    async def cmd_restart_engine(self, *, server: int, version: int, backoff_s: float = 0.0,
+                                 base_url: str | None = None) -> dict:
         """Replace server `server`'s engine (crashed, or hung: the coordinator's health
         check says which): SIGKILL the old process (a stopped one too), wait `backoff_s`,
-        start a new one at `version` (on a new port)."""
-        if not 0 <= server < len(self.engines):
-            raise ValueError(f"node {self.node_index} runs {len(self.engines)} engine "
-                             f"servers, not server {server}")
+        start a new one at `version` (on a new port). `base_url`: the address the
+        coordinator knows that server by; when the server was replaced or killed since,
+        the answer says so (`restarted` false, `reason`) and nothing is done."""
         t0 = time.monotonic()
-        proc, client = self.engines[server]
-        await client.close()
-        exit_code = await asyncio.to_thread(_kill, proc)
-        log.warning("engine s%d (pid %d) killed for a restart (exit code %s); restarting "
-                    "in %.1f s", server, proc.pid, exit_code, backoff_s)
-        await asyncio.sleep(backoff_s)
-        new = await asyncio.to_thread(self._start_one, server, version)
-        self.engines[server] = (new, self._client(new))
-        return {"base_url": new.base_url, "engine_kind": self.cfg.rollout.engine,
-                "version": version, "exit_code": exit_code, "pid": new.pid,
-                "engine_start_s": time.monotonic() - t0}
+        res = await self.engines.restart(server=server, version=version, backoff_s=backoff_s,
+                                         base_url=base_url)
+        return dict(res, engine_kind=self.cfg.rollout.engine, version=version,
+                    engine_start_s=time.monotonic() - t0)
 
     async def shutdown_engine(self) -> None:
-        engines, self.engines = self.engines, []
-        for proc, client in engines:
-            await client.close()
-        await asyncio.gather(*(asyncio.to_thread(proc.stop, 10.0) for proc, _ in engines))
+        await self.engines.shutdown()
 
     # -- trainer ---------------------------------------------------------------------
     def _warm_ranks(self) -> None:
@@ -340,19 +303,6 @@ class NodeAgent:
     async def cmd_shutdown(self) -> dict:
         asyncio.get_running_loop().call_later(0.05, self.stopping.set)
         return {}
-
-
-def _kill(proc) -> int:
-    """SIGKILL an engine (works on a stopped process, unlike SIGTERM: a vLLM server's
-    whole process group) and reap it; the exit code."""
-    if hasattr(proc, "pids"):  # vLLM: a supervisor leading its own process group
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    elif proc.popen.poll() is None:
-        proc.popen.kill()
-    return proc.popen.wait(30)
 
 
 def _merge(results: list[dict], *, how) -> dict:

@@ -43,7 +43,11 @@ Rules (each action lands in `events.jsonl`):
   after a backoff (0.5 s, doubling per restart of that server, at most 8 s), at the
   current policy version; the new server replaces the old one in the gateway
   (`engine_restarted`). A server
-  restarted more than `runtime.max_engine_restarts` times marks its cell failed.
+  restarted more than `runtime.max_engine_restarts` times marks its cell failed. The
+  restart names the server by its address, and the agent runs one engine command at a
+  time (`runtime.node_engines`): a server replaced or killed meanwhile is answered
+  plainly, and a restarted engine goes into the gateway only while its cell still
+  serves with the server it replaces (else `engine_restart_dropped`).
 """
 
 from __future__ import annotations
@@ -345,12 +349,16 @@ async def restart_engine(coord, cell: int, sid: str, *, reason: str, attempt: in
         if attempt > coord.cfg.runtime.max_engine_restarts:
             fail_cell(coord, cell, reason=f"engine {sid} failed {attempt} times: {reason}")
             return
+        old = coord.engine_clients.get(cell, {}).get(sid)
+        if old is None:
+            return  # retired meanwhile (its cell failed)
         coord.gateway.drain_server(sid)
         t0 = time.monotonic()
         backoff = min(8.0, 0.5 * 2 ** (attempt - 1))
         try:
             res = await coord.agents[node].post("/cmd/restart_engine", {
-                "server": k, "version": coord.book.version, "backoff_s": backoff})
+                "server": k, "version": coord.book.version, "backoff_s": backoff,
+                "base_url": old.base_url})
         except AgentUnreachable as exc:
             node_lost(coord, node, reason=str(exc))
             return
@@ -359,9 +367,8 @@ async def restart_engine(coord, cell: int, sid: str, *, reason: str, attempt: in
                            restart=attempt, error=str(exc)[-500:])
             again = True
             return
-        if coord.table[cell].role is Role.FAILED:
-            return  # the node was lost meanwhile: its servers are retired
-        old = coord.engine_clients[cell][sid]
+        if not _restart_serves(coord, cell, sid, old, res):
+            return
         while coord.gateway.server_load().get(sid, {}).get("in_flight", 0):
             await asyncio.sleep(0.05)  # the killed engine's calls fail now
         coord.gateway.remove_server(sid)
@@ -382,3 +389,24 @@ async def restart_engine(coord, cell: int, sid: str, *, reason: str, attempt: in
         coord.busy_cells.discard(cell)
     if again:
         request_restart(coord, cell, sid, reason="the restarted engine did not start")
+
+
+def _restart_serves(coord, cell: int, sid: str, old, res: dict) -> bool:
+    """Whether the restarted engine goes into the gateway: only when the agent did
+    restart it and the cell still serves with the server it replaces. A cell that was
+    lost, or that moved on meanwhile, keeps it out: the agent holds the new engine with
+    the cell's others (released, resumed or killed with them)."""
+    if not res.get("restarted", True):  # replaced or killed already: said plainly
+        coord.rd.event("engine_restart_dropped", cell=cell, server=sid,
+                       reason=str(res.get("reason"))[:300])
+        _spawn(coord, _retire_server(coord, cell, sid))
+        return False
+    if coord.table[cell].role is Role.FAILED:
+        return False  # the node was lost meanwhile: its servers are retired
+    role = coord.table[cell].role
+    why = (f"the cell is {role.value} now, no longer serving" if role is not Role.ROLLOUT
+           else "the server was replaced meanwhile"
+           if coord.engine_clients.get(cell, {}).get(sid) is not old else None)
+    if why:
+        coord.rd.event("engine_restart_dropped", cell=cell, server=sid, reason=why)
+    return why is None
