@@ -6,6 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 from gyre_slurm.common.fsio import read_jsonl
+from gyre_slurm.runtime.metrics import read_metrics
 from gyre_slurm.traj.process import process_run
 from gyre_slurm.traj.store import load_store
 
@@ -63,10 +64,42 @@ def check_steps_in_order(events: list[dict], *, num_steps: int) -> None:
     assert next_step == num_steps
 
 
+def check_metrics(run_dir: Path, events: list[dict], *, num_steps: int) -> None:
+    """metrics.jsonl has each step once (the last life's line), equal to its step
+    event's metrics; the trainer's per-lag token counts match the coordinator's lag
+    histogram; TensorBoard's own reader finds the same scalars, each step once (a
+    resumed run's first life purged)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    lines = read_metrics(run_dir)
+    assert [m["step"] for m in lines] == list(range(num_steps))
+    last = {e["step"]: e for e in events if e["kind"] == "step"}
+    for m in lines:
+        e = last[m["step"]]
+        assert {k: v for k, v in m.items() if k not in ("step", "version", "t")} == e["metrics"]
+        assert m["train/tokens"] == e["tokens"] and m["train/trajectories"] == e["trajectories"]
+        by_lag = {k.split("/")[1][3:]: v for k, v in m.items()
+                  if k.startswith("mismatch/lag") and k.endswith("/tokens")}
+        assert by_lag == m["staleness/lag_hist"] and sum(by_lag.values()) == e["tokens"]
+        assert 0 <= m["mismatch/abs_mean"] <= m["mismatch/abs_max"] and m["mismatch/kl_k3"] >= 0
+        assert m["train/entropy"] > 0 and m["train/grad_norm"] > 0
+        assert 0 <= m["train/clip_frac"] <= 1
+        assert abs(m["reward/mean"] - e["mean_reward"]) < 1e-9
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    assert "staleness/lag" in acc.Tags()["histograms"]
+    for tag in ("train/loss", "mismatch/abs_mean", "mismatch/kl_k3", "reward/mean"):
+        scalars = acc.Scalars(tag)
+        assert [s.step for s in scalars] == list(range(num_steps)), (tag, scalars)
+        for s, m in zip(scalars, lines):
+            assert abs(s.value - m[tag]) <= 1e-6 * max(1.0, abs(m[tag])), (tag, s, m[tag])
+
+
 def check_run_dir(run_dir: Path, *, num_steps: int) -> list[dict]:
     check_runs_trained_once(run_dir)
     events = list(read_jsonl(run_dir / "events.jsonl"))
     check_steps_in_order(events, num_steps=num_steps)
+    check_metrics(run_dir, events, num_steps=num_steps)
     status = json.loads((run_dir / "status.json").read_text())
     assert status["final"] and status["version"] == num_steps
     latest = (run_dir / "checkpoints" / "latest").read_text()

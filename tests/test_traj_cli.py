@@ -44,7 +44,7 @@ def test_build_writes_good_runs_and_reports_bad_ones(files, tmp_path, capsys):
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(t["run_id"], t["advantage"]) for t in lines] == [
         ("good", 0.5), ("good", 0.5), ("other", -0.5)]
-    assert set(lines[0]) == {"run_id", "token_ids", "loss_mask", "logprobs",
+    assert set(lines[0]) == {"run_id", "token_ids", "loss_mask", "logprobs", "versions",
                              "policy_version", "advantage"}
     assert lines[0]["token_ids"] == S + [1003, 2001, 2002, 3001, 2003]
     assert lines[0]["loss_mask"] == [0, 0, 0, 1, 1, 0, 1]

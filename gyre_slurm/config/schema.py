@@ -219,9 +219,26 @@ class TrainingConfig:
     max_staleness: int = 1  # a trajectory may lag the trained policy by this many versions
     optimizer_step_s: float = 5.0  # fixed cost per optimizer step
     microbatch_tokens: float = 100_000.0  # token budget of a micro-batch
+    # The policy loss and its off-policy correction (formulas: gyre_slurm/train/loss.py,
+    # docs/off-policy.md). ppo_clip: PPO's clip of the trainer/sampler ratio; tis:
+    # truncated importance sampling (weight min(ratio, is_cap)); masked_is: tokens (or
+    # sequences, is_mask_level) whose ratio leaves [is_band_low, is_band_high] dropped;
+    # decoupled: PPO clip against the proximal policy (the weights at the step's start)
+    # times the behaviour weight min(proximal/sampler, is_cap); gspo: the clip of the
+    # sequence's geometric-mean ratio (gspo_clip_eps_*).
+    loss: Literal["ppo_clip", "tis", "masked_is", "decoupled", "gspo"] = "ppo_clip"
+    clip_eps_low: float = 0.2  # PPO clip range below 1 (ppo_clip, decoupled)
+    clip_eps_high: float = 0.2  # PPO clip range above 1 (DAPO's clip-higher: e.g. 0.28)
+    is_cap: float = 2.0  # C: the largest importance weight (tis, decoupled)
+    is_band_low: float = 0.5  # masked_is keeps ratios >= this
+    is_band_high: float = 2.0  # masked_is keeps ratios <= this
+    is_mask_level: Literal["token", "sequence"] = "token"  # masked_is: what one ratio drops
+    gspo_clip_eps_low: float = 3e-4  # GSPO's clip range of the sequence ratio (paper:
+    gspo_clip_eps_high: float = 4e-4  # 3e-4 / 4e-4)
 
     def __post_init__(self) -> None:
         _positive("node_tokens_per_s", self.node_tokens_per_s)
+        self._check_loss()
         if not 0.0 < self.scaling_efficiency <= 1.0:
             raise FieldError("scaling_efficiency",
                              f"must be in (0, 1], got {self.scaling_efficiency}")
@@ -229,6 +246,28 @@ class TrainingConfig:
         _positive("max_staleness", self.max_staleness, allow_zero=True)
         _positive("optimizer_step_s", self.optimizer_step_s, allow_zero=True)
         _positive("microbatch_tokens", self.microbatch_tokens)
+
+    @property
+    def loss_settings(self) -> dict:
+        """The loss and its constants, as `gyre_slurm.train.loss.LossSettings` takes them."""
+        return {"name": self.loss, **{k: getattr(self, k) for k in (
+            "clip_eps_low", "clip_eps_high", "is_cap", "is_band_low", "is_band_high",
+            "is_mask_level", "gspo_clip_eps_low", "gspo_clip_eps_high")}}
+
+    def _check_loss(self) -> None:
+        for name in ("clip_eps_low", "gspo_clip_eps_low"):
+            if not 0.0 < getattr(self, name) < 1.0:
+                raise FieldError(name, f"must be in (0, 1) (the ratio is clipped at 1 - it), "
+                                 f"got {getattr(self, name)}")
+        for name in ("clip_eps_high", "gspo_clip_eps_high", "is_cap"):
+            _positive(name, getattr(self, name))
+        if self.is_cap < 1.0:
+            raise FieldError("is_cap", f"= {self.is_cap} would down-weight on-policy tokens "
+                             "(ratio 1): use a cap >= 1 (2 to 10 are usual)")
+        if not 0.0 <= self.is_band_low <= 1.0 <= self.is_band_high:
+            raise FieldError("is_band_low", f"and is_band_high must hold 1 (on-policy tokens "
+                             f"are never dropped): 0 <= low <= 1 <= high, got "
+                             f"[{self.is_band_low}, {self.is_band_high}]")
 
 
 @dataclass(frozen=True)
@@ -298,7 +337,6 @@ class RuntimeConfig:
     runs_per_cell: int = 16  # concurrent runs one rollout cell serves
     max_per_run: int = 5  # K: trajectories kept per run
     lr: float = 1e-3
-    clip_eps: float = 0.2
     model_hidden_size: int = 64
     model_layers: int = 2
     model_heads: int = 4  # attention heads (vLLM on CPU needs a head size of 32, 64, ...)
@@ -326,7 +364,7 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "context_budget_tokens", "max_tokens", "runs_per_cell",
-                     "max_per_run", "lr", "clip_eps", "heartbeat_s", "agent_lost_s",
+                     "max_per_run", "lr", "heartbeat_s", "agent_lost_s",
                      "status_interval_s", "policy_interval_s", "checkpoint_every_steps",
                      "run_timeout_s", "model_hidden_size", "model_layers", "model_heads",
                      "engine_check_s", "engine_health_timeout_s", "engine_strikes",

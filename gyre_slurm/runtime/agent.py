@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -221,7 +222,8 @@ class NodeAgent:
             "--model-dir", str(self.rd.model_dir), "--node-index", str(self.node_index),
             "--lr", str(rt.lr), "--seed", str(self.cfg.sim.seed),
             "--grad-clip", str(tr.grad_clip), "--tp", str(tr.tensor_parallel),
-            "--pp", str(tr.pipeline_parallel)]
+            "--pp", str(tr.pipeline_parallel),
+            "--loss", json.dumps(self.cfg.training.loss_settings)]
         envs = rank_envs(n, gpus=self.cfg.cluster.gpus_per_node)
         for env in envs:
             env["PYTHONPATH"] = os.pathsep.join(
@@ -265,9 +267,12 @@ class NodeAgent:
         return _merge(await self._train("leave", {}), how=max)
 
     async def cmd_train_mb(self, *, path: str, num_step_tokens: int) -> dict:
+        """The local ranks' sums, merged (`gyre_slurm.train.metrics.merge`)."""
+        from gyre_slurm.train.metrics import merge_all
+
         results = await self._train("train_mb", {"path": path,
                                                  "num_step_tokens": num_step_tokens})
-        return _merge(results, how=lambda a, b: a + b)
+        return merge_all(results)
 
     async def cmd_step(self, *, publish_dir: str | None, num_step_tokens: int) -> dict:
         results = await self._train("step", [

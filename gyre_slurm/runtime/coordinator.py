@@ -86,6 +86,8 @@ class Coordinator:
         self.handoff_tasks: set[asyncio.Task] = set()
         self.train_rate: list[float] = []  # measured tokens/s per cell
         self.rewards: list[dict] = []
+        self.metrics = None  # runtime.metrics.MetricsLog: metrics.jsonl and TensorBoard
+        self.step_signals: dict[int, dict] = {}  # stream index -> its micro-batch's sums
         self.waterlevel_history: collections.deque = collections.deque(maxlen=300)
         self.failure: BaseException | None = None
         self.t0 = time.time()
@@ -135,6 +137,10 @@ class Coordinator:
                                 replica_nodes=cfg.replica_nodes,
                                 reshard=cfg.trainer.backend == "megatron",
                                 backend="nccl" if cfg.cluster.gpus_per_node else "gloo")
+        from gyre_slurm.runtime.metrics import MetricsLog
+
+        self.metrics = MetricsLog(self.rd.path,
+                                  purge_step=self.book.version if self.resume else None)
         self.rollouts = RolloutManager(cfg=self.cfg, rd=self.rd, book=self.book,
                                        gateway=self.gateway, gateway_url=self.gateway_url,
                                        api_key=secret, flush_calls=self.call_writer.flush)
@@ -259,6 +265,8 @@ class Coordinator:
         if self.gateway is not None:
             await self.gateway.stop()
         self.call_writer.close()
+        if self.metrics is not None:
+            self.metrics.close()
         await self.control_runner.cleanup()
 
     def capacity(self) -> int:
@@ -330,6 +338,7 @@ class Coordinator:
         cells = max(1, len(self.world.members) // self.cfg.cluster.cell_nodes)
         self.train_rate.append(tokens / max(dt, 1e-6) / cells)
         self.book.trained(batch, index=index)
+        self.step_signals[index] = stats  # a micro-batch trained again replaces its sums
         self.rd.event("microbatch", step=step, index=index, runs=[t["run_id"] for t in batch],
                       tokens=tokens, members=list(self.world.members), seconds=dt,
                       stats=stats, again=again is not None)
@@ -338,13 +347,20 @@ class Coordinator:
     async def finish_step(self) -> None:
         from gyre_slurm.runtime import handoff
 
+        from gyre_slurm.runtime.metrics import step_figures
+        from gyre_slurm.train.metrics import merge_all
+
         step = self.book.version
         state = self.book.steps[step]
         t0 = time.monotonic()
         publish = tiny.weights_dir(self.rd.path, step + 1)
         stats = await self.world.optimizer_step(publish_dir=publish,
                                                 num_step_tokens=max(1, state.trained_tokens))
+        figures = step_figures(self.book, step, merge_all(self.step_signals.values()),
+                               grad_norm=stats.get("grad_norm"))
+        self.step_signals.clear()
         version = self.book.step_done()
+        self.metrics.write(step=step, version=version, figures=figures)
         await handoff.load_weights_everywhere(self, version)
         rewards = [self.book.runs[r].reward for r in state.runs
                    if self.book.runs[r].state == "ok"]
@@ -353,7 +369,7 @@ class Coordinator:
         self.rd.event("step", step=step, version=version, mean_reward=mean,
                       trajectories=state.trained, tokens=state.trained_tokens,
                       runs_ok=len(rewards), runs=len(state.runs),
-                      seconds=time.monotonic() - t0, stats=stats)
+                      seconds=time.monotonic() - t0, stats=stats, metrics=figures)
 
     # -- observation and status ------------------------------------------------------
     def cell_runs(self, cell: int, load: dict) -> int:

@@ -152,15 +152,14 @@ class TrainWorld:
         return timings
 
     async def train_microbatch(self, batch: list[dict], path: Path) -> dict:
+        """Train a micro-batch on every member; their sums, merged exactly
+        (`gyre_slurm.train.metrics.merge`: counts and sums add, maxima take the max)."""
+        from gyre_slurm.train.metrics import merge_all
+
         write_json_atomic(path, batch)
         results = await self._all(self.members, "/cmd/train_mb",
                                   {"path": str(path), "num_step_tokens": 1})
-        merged: dict[str, float] = {}
-        for res in results:
-            for key, value in res.items():
-                if isinstance(value, (int, float)):
-                    merged[key] = merged.get(key, 0.0) + float(value)
-        return merged
+        return merge_all(results)
 
     async def optimizer_step(self, *, publish_dir: Path, num_step_tokens: int) -> dict:
         # Every rank takes part in publishing (a sharded model is gathered first); the

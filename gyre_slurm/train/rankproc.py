@@ -1,7 +1,7 @@
 """A training rank as a process of its own, driven over its stdin and stdout.
 
     PYTHON -m gyre_slurm.train.rankproc --backend torch|megatron --model-dir DIR \
-        --node-index I --local-rank L [--lr --seed --grad-clip --tp --pp]
+        --node-index I --local-rank L [--lr --seed --grad-clip --tp --pp --loss JSON]
 
 The node agent starts one per training rank of its node, whatever the trainer (a rank
 blocked in a collective can be killed at once; Megatron-core needs another Python, 3.12
@@ -44,16 +44,17 @@ log = logging.getLogger(__name__)
 
 
 def make_worker(args):
+    loss = json.loads(args.loss) if args.loss else None
     if args.backend == "megatron":
         from gyre_slurm.train.megatron.worker import MegatronWorker
 
         return MegatronWorker(model_dir=args.model_dir, node_index=args.node_index,
                               lr=args.lr, seed=args.seed, grad_clip=args.grad_clip,
-                              tensor_parallel=args.tp, pipeline_parallel=args.pp)
+                              tensor_parallel=args.tp, pipeline_parallel=args.pp, loss=loss)
     from gyre_slurm.train.worker import TrainerWorker
 
     return TrainerWorker(model_dir=args.model_dir, node_index=args.node_index, lr=args.lr,
-                         seed=args.seed, grad_clip=args.grad_clip)
+                         seed=args.seed, grad_clip=args.grad_clip, loss=loss)
 
 
 PATH_ARGS = ("path", "init_weights", "checkpoint", "publish_dir")
@@ -163,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", "--tensor-parallel", dest="tp", type=int, default=1)
     p.add_argument("--pp", "--pipeline-parallel", dest="pp", type=int, default=1)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads")
+    p.add_argument("--loss", default=None, help="the loss and its settings, JSON "
+                   "(gyre_slurm.train.loss.LossSettings; default ppo_clip)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=(
         f"%(asctime)s node{args.node_index}.{args.local_rank} %(levelname)s %(name)s: "

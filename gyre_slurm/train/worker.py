@@ -44,7 +44,8 @@ import torch.distributed as dist
 
 from gyre_slurm.train import dist as gdist
 from gyre_slurm.train.dist import WorldSpec
-from gyre_slurm.train.loss import policy_loss, rows_from_trajectories
+from gyre_slurm.train.loss import LossSettings, rows_from_trajectories
+from gyre_slurm.train.signals import loss_and_signals
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +71,9 @@ def flat_grads_and_adamw(params: list, *, lr: float):
 
 class TrainerWorker:
     def __init__(self, *, model_dir: Path, node_index: int, lr: float = 1e-3, seed: int = 0,
-                 grad_clip: float = 1.0):
+                 grad_clip: float = 1.0, loss: LossSettings | dict | None = None):
         self.model_dir = Path(model_dir)
+        self.loss = loss if isinstance(loss, LossSettings) else LossSettings(**(loss or {}))
         self.node_index = node_index
         self.lr, self.seed, self.grad_clip = lr, seed, grad_clip
         self.version = 0
@@ -200,27 +202,23 @@ class TrainerWorker:
     # ---- training ---------------------------------------------------------------------
 
     def train_microbatch(self, mb: list, *, num_step_tokens: int) -> dict[str, Any]:
-        """Forward/backward this rank's shard of the micro-batch; gradients accumulate."""
+        """Forward/backward this rank's shard of the micro-batch; gradients accumulate.
+        Returns the shard's sums (`gyre_slurm.train.signals`) and its trajectory count."""
         rank = self.rank or 0
         shard = [t.to_json() if hasattr(t, "to_json") else t
                  for t in mb[rank::self.world_size]]
-        stats = {"trajectories": len(shard), "tokens": 0, "loss_sum": 0.0,
-                 "ratio_mean": None, "clip_frac": None}
         if not shard:
-            return stats
+            return {"trajectories": 0, "tokens": 0}
         pad_id = self.model.config.pad_token_id or 0
         rows = rows_from_trajectories(shard, pad_id=pad_id, device=self.device)
         logits = self.model(input_ids=rows["token_ids"], use_cache=False).logits
-        loss, s = policy_loss(logits, rows["token_ids"], rows["loss_mask"], rows["logprobs"],
-                              rows["advantages"], num_step_tokens=num_step_tokens)
+        loss, stats = loss_and_signals(logits, rows, settings=self.loss,
+                                       num_step_tokens=num_step_tokens,
+                                       trainer_version=self.version)
         loss.backward()
         if self._params[0].grad.data_ptr() != self._grads.data_ptr():
             raise RuntimeError("autograd replaced the flat gradient buffer")
-        stats.update(tokens=s["tokens"], loss_sum=s["loss_sum"])
-        if s["tokens"]:
-            stats.update(ratio_mean=s["ratio_sum"] / s["tokens"],
-                         clip_frac=s["clipped"] / s["tokens"])
-        return stats
+        return {"trajectories": len(shard), **stats}
 
     def optimizer_step(self, *, publish_dir: Path | None = None,
                        num_step_tokens: int | None = None) -> dict[str, Any]:

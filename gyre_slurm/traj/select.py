@@ -57,10 +57,12 @@ class Trajectory:
         return int(self.loss_mask.sum())
 
     def to_json(self) -> dict[str, Any]:
-        """The DESIGN §4 trajectory line."""
+        """The DESIGN §4 trajectory line, with `versions` (the policy version of each
+        trained token, -1 elsewhere: the trainer measures staleness with it)."""
         return {
             "run_id": self.run_id, "token_ids": self.token_ids.tolist(),
             "loss_mask": self.loss_mask.tolist(), "logprobs": f32_list(self.logprobs),
+            "versions": self.versions.tolist(),
             "policy_version": self.policy_version, "advantage": self.advantage,
         }
 

@@ -20,15 +20,17 @@ Rank layout (Megatron's "tp-cp-ep-dp-pp" order): rank = tp + TP * (dp + DP * pp)
 `train_microbatch` takes trajectories `mb[dp_rank::dp_size]`; every TP/PP rank of a
 data-parallel replica runs the same shard through `get_forward_backward_func()` (1F1B
 over the stages when PP > 1). Logits are gathered over TP (`parallel_output=False`) and
-the loss is `gyre_slurm.train.loss.policy_loss` on the full, unpadded vocabulary, so
-the loss is the torch backend's. Gradients accumulate in one flat buffer per rank;
+the loss (`training.loss`) and its signals are `gyre_slurm.train.signals.loss_and_signals`
+on the full, unpadded vocabulary, as in the torch backend. Gradients accumulate in one flat buffer per rank;
 `optimizer_step` sums it over DP, divides by `num_step_tokens` if given, clips by the
 global norm (TP-duplicated parameters counted once, all stages) and steps a plain torch
 AdamW over this rank's parameters.
 
-Statistics (`tokens`, `loss_sum`, ...) are reported by one rank per data-parallel
-replica (TP rank 0 of the last stage; the others report zeros), so summing them over
-the world's members gives the totals, as with the torch backend.
+Statistics (`tokens`, `loss_sum`, the mismatch sums of `gyre_slurm.train.signals`, ...)
+are reported by one rank per data-parallel replica (TP rank 0 of the last stage, which
+holds the gathered logits; the others report zeros), so merging them over the world's
+members (`gyre_slurm.train.metrics.merge`) gives the totals, as with the torch backend.
+The entropy is taken from those gathered, full-vocabulary logits.
 
 Without a GPU, `cpu_shim.activate()` (called at construction) makes Megatron's CUDA
 calls run on CPU; on a GPU it does nothing.
@@ -51,7 +53,9 @@ import torch.distributed as dist
 from gyre_slurm.models import tiny
 from gyre_slurm.train import dist as gdist
 from gyre_slurm.train.dist import WorldSpec
-from gyre_slurm.train.loss import policy_loss, rows_from_trajectories, token_logprobs
+from gyre_slurm.train.loss import LossSettings, rows_from_trajectories, token_logprobs
+from gyre_slurm.train.metrics import merge_all
+from gyre_slurm.train.signals import loss_and_signals
 from gyre_slurm.train.megatron import convert
 from gyre_slurm.train.megatron.convert import ModelShape
 from gyre_slurm.train.worker import flat_grads_and_adamw
@@ -77,7 +81,8 @@ def _sharded_sync_writes() -> None:
 
 class MegatronWorker:
     def __init__(self, *, model_dir: Path, node_index: int, lr: float = 1e-3, seed: int = 0,
-                 grad_clip: float = 1.0, tensor_parallel: int = 1, pipeline_parallel: int = 1):
+                 grad_clip: float = 1.0, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                 loss: LossSettings | dict | None = None):
         from gyre_slurm.train.megatron import cpu_shim
 
         if tensor_parallel < 1 or pipeline_parallel < 1:
@@ -88,6 +93,7 @@ class MegatronWorker:
         self.shape.check_layout(tensor_parallel, pipeline_parallel)
         self.node_index = node_index
         self.lr, self.seed, self.grad_clip = lr, seed, grad_clip
+        self.loss = loss if isinstance(loss, LossSettings) else LossSettings(**(loss or {}))
         self.tp, self.pp = tensor_parallel, pipeline_parallel
         self.version = 0
         self.spec: WorldSpec | None = None
@@ -282,8 +288,9 @@ class MegatronWorker:
 
             def loss_func(logits):
                 logits = logits[..., :vocab].float()
-                loss, s = policy_loss(logits, tokens, b["loss_mask"], b["logprobs"],
-                                      b["advantages"], num_step_tokens=num_step_tokens)
+                loss, s = loss_and_signals(logits, b, settings=self.loss,
+                                           num_step_tokens=num_step_tokens,
+                                           trainer_version=self.version)
                 if keep_logits:
                     s["logprobs"] = token_logprobs(logits.detach(), tokens)
                 return loss, torch.tensor(s["tokens"], dtype=torch.int), s
@@ -308,24 +315,20 @@ class MegatronWorker:
         return list(mb[ps.get_data_parallel_rank()::ps.get_data_parallel_world_size()])
 
     def train_microbatch(self, mb: list, *, num_step_tokens: int) -> dict[str, Any]:
-        """Forward/backward this data-parallel replica's shard; gradients accumulate."""
+        """Forward/backward this data-parallel replica's shard; gradients accumulate.
+        The reporter returns the shard's sums (`gyre_slurm.train.signals`), the other
+        ranks {"trajectories": 0, "tokens": 0}."""
         shard = self._shard(mb)
         reporter = self._is_reporter()
-        stats = {"trajectories": len(shard) if reporter else 0, "tokens": 0, "loss_sum": 0.0,
-                 "ratio_mean": None, "clip_frac": None}
         if not shard:
-            return stats
+            return {"trajectories": 0, "tokens": 0}
         results = self._run(self._rows(shard), num_step_tokens=num_step_tokens,
                             forward_only=False)
         if self._params and self._params[0].grad.data_ptr() != self._grads.data_ptr():
             raise RuntimeError("autograd replaced the flat gradient buffer")
-        if reporter:
-            tokens = sum(r["tokens"] for r in results)
-            stats.update(tokens=tokens, loss_sum=sum(r["loss_sum"] for r in results))
-            if tokens:
-                stats.update(ratio_mean=sum(r["ratio_sum"] for r in results) / tokens,
-                             clip_frac=sum(r["clipped"] for r in results) / tokens)
-        return stats
+        if not reporter:
+            return {"trajectories": 0, "tokens": 0}
+        return {"trajectories": len(shard), **merge_all(results)}
 
     def _sum_over_world(self, value: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:

@@ -1,0 +1,164 @@
+"""The training signals: per-micro-batch sums, their exact merge over ranks and
+micro-batches, the step's figures, and metrics.jsonl + TensorBoard read back with
+TensorBoard's own reader."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from gyre_slurm.runtime.metrics import MetricsLog, read_metrics
+from gyre_slurm.train.loss import LossSettings, rows_from_trajectories
+from gyre_slurm.train.metrics import merge, merge_all, rewards, staleness, step_metrics
+from gyre_slurm.train.signals import loss_and_signals
+
+
+def traj(run_id, versions, *, mask=None, logprobs=None, adv=0.5, n=None):
+    n = n or len(versions)
+    mask = mask or [0] + [1] * (n - 1)
+    versions = [v if m else -1 for v, m in zip(versions, mask)]
+    return {"run_id": run_id, "token_ids": list(range(3, 3 + n)), "loss_mask": mask,
+            "logprobs": logprobs or [-1.0 if m else 0.0 for m in mask],
+            "versions": versions, "policy_version": min(v for v in versions if v >= 0),
+            "advantage": adv}
+
+
+def test_merge_adds_sums_and_takes_maxima_recursively():
+    a = {"tokens": 3, "mismatch_abs_max": 0.5, "loss_sum": 1.0,
+         "by_lag": {"0": {"tokens": 3, "mismatch_abs_max": 0.5}}}
+    b = {"tokens": 2, "mismatch_abs_max": 0.25, "loss_sum": -0.5, "trajectories": 1,
+         "by_lag": {"0": {"tokens": 1, "mismatch_abs_max": 0.7}, "2": {"tokens": 1}}}
+    m = merge(a, b)
+    assert m == {"tokens": 5, "mismatch_abs_max": 0.5, "loss_sum": 0.5, "trajectories": 1,
+                 "by_lag": {"0": {"tokens": 4, "mismatch_abs_max": 0.7}, "2": {"tokens": 1}}}
+    assert a["by_lag"]["0"]["tokens"] == 3  # inputs untouched
+    assert merge_all([None, a, {}, b]) == m
+
+
+def test_signals_are_exact_over_any_split():
+    """Rank shards and micro-batches: merged sums equal the whole batch's, and the
+    means come out once, at the end (a ratio averaged per rank and then summed over
+    ranks would be wrong)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(40, 8), torch.nn.Linear(8, 40))
+    rng = np.random.default_rng(0)
+    trajs = [traj(f"r{i}", list(rng.integers(3, 6, size=9)), n=9,
+                  logprobs=[float(x) for x in rng.normal(-3.5, 0.5, size=9)],
+                  adv=float(rng.normal())) for i in range(6)]
+    s = LossSettings(name="tis", is_cap=1.5)
+
+    def sums(part):
+        rows = rows_from_trajectories(part)
+        return loss_and_signals(model(rows["token_ids"]), rows, settings=s,
+                                num_step_tokens=1, trainer_version=5)[1]
+
+    whole = sums(trajs)
+    split = merge_all([sums(trajs[0::2][:2]), sums(trajs[0::2][2:]), sums(trajs[1::2])])
+    for key, value in whole.items():
+        if key == "by_lag":
+            assert set(value) == set(split[key]) == {"0", "1", "2"}
+            for lag in value:
+                for k, v in value[lag].items():
+                    assert split[key][lag][k] == pytest.approx(v, rel=1e-5), (lag, k)
+        else:
+            assert split[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert whole["tokens"] == sum(sum(t["loss_mask"]) for t in trajs)
+    assert sum(p["tokens"] for p in whole["by_lag"].values()) == whole["tokens"]
+
+
+def test_mismatch_sums_by_hand():
+    """Trainer logprobs against given sampler logprobs: |d|, max, k3, k1 per lag."""
+    logits = torch.zeros(1, 4, 5)  # uniform: logπ = -log 5 at every position
+    rows = rows_from_trajectories([{
+        "run_id": "a", "token_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1],
+        "logprobs": [0.0, -1.0, -2.0, -1.5], "versions": [-1, 7, 6, 6], "advantage": 1.0}])
+    _, s = loss_and_signals(logits, rows, settings=LossSettings(), num_step_tokens=1,
+                            trainer_version=7)
+    lp = -math.log(5)
+    d = [lp + 1.0, lp + 2.0, lp + 1.5]
+    assert s["mismatch_abs_sum"] == pytest.approx(sum(abs(x) for x in d))
+    assert s["mismatch_abs_max"] == pytest.approx(max(abs(x) for x in d))
+    assert s["mismatch_k3_sum"] == pytest.approx(sum(math.exp(x) - 1 - x for x in d))
+    assert s["mismatch_k1_sum"] == pytest.approx(-sum(d))
+    assert s["entropy_sum"] == pytest.approx(3 * math.log(5))
+    assert s["by_lag"]["0"]["tokens"] == 1 and s["by_lag"]["1"]["tokens"] == 2
+    assert s["by_lag"]["1"]["mismatch_abs_max"] == pytest.approx(abs(d[1]))
+
+
+def test_staleness_of_runs_spanning_versions():
+    trajs = [traj("a", [0, 4, 4, 5, 5]), traj("a", [0, 3, 3]),  # a: versions 3..5
+             traj("b", [0, 5, 5]),  # b: one version
+             traj("c", [0, 2, 4, 4, 4, 4, 4])]  # c: 2..4, the most trained tokens
+    st = staleness(trajs, version=5)
+    assert st["staleness/lag_hist"] == {"0": 4, "1": 7, "2": 2, "3": 1}
+    assert st["staleness/lag_max"] == 3
+    assert st["staleness/lag_mean"] == pytest.approx((0 * 4 + 7 + 4 + 3) / 14)
+    assert st["staleness/multi_version_run_frac"] == pytest.approx(2 / 3)
+    assert st["staleness/run_span_max"] == 2
+    assert st["staleness/longest_run_span"] == 2  # c: 6 trained tokens
+    # trajectories of older records (no per-token versions) count their policy_version
+    old = {k: v for k, v in traj("d", [0, 3, 3]).items() if k != "versions"}
+    assert staleness([old], version=4)["staleness/lag_hist"] == {"1": 2}
+
+
+def test_rewards_spread_per_group():
+    r = rewards({0: [1.0, 0.0, 1.0, 0.0], 1: [0.5, 0.5], 2: []})
+    assert r["reward/mean"] == pytest.approx(0.5)
+    assert r["reward/group_std_mean"] == pytest.approx(0.25)  # (0.5 + 0) / 2
+    assert r["reward/zero_spread_frac"] == pytest.approx(0.5)
+
+
+def test_step_metrics_from_sums():
+    sums = {"tokens": 10, "loss_sum": -2.0, "clipped": 3, "truncated": 1, "dropped": 0,
+            "ratio_sum": 10.5, "weight_sum": 9.0, "entropy_sum": 25.0,
+            "mismatch_abs_sum": 1.0, "mismatch_abs_max": 0.4, "mismatch_k3_sum": 0.05,
+            "mismatch_k1_sum": 0.02,
+            "by_lag": {"1": {"tokens": 4, "mismatch_abs_sum": 0.8, "mismatch_abs_max": 0.4,
+                             "mismatch_k3_sum": 0.04},
+                       "0": {"tokens": 6, "mismatch_abs_sum": 0.2, "mismatch_abs_max": 0.1,
+                             "mismatch_k3_sum": 0.01}}}
+    m = step_metrics(sums=sums, trajectories=[traj("a", [0, 1, 1, 0])], version=1,
+                     groups={0: [1.0, 0.0]}, grad_norm=0.7)
+    assert m["train/loss"] == pytest.approx(-0.2) and m["train/clip_frac"] == 0.3
+    assert m["train/entropy"] == 2.5 and m["train/grad_norm"] == 0.7
+    assert m["mismatch/abs_mean"] == pytest.approx(0.1) and m["mismatch/abs_max"] == 0.4
+    assert m["mismatch/lag1/abs_mean"] == pytest.approx(0.2)
+    assert m["mismatch/lag0/kl_k3"] == pytest.approx(0.01 / 6)
+    assert list(m).index("mismatch/lag0/abs_mean") < list(m).index("mismatch/lag1/abs_mean")
+    assert m["length/response_mean"] == 3 and m["reward/group_std_mean"] == 0.5
+    empty = step_metrics(sums={}, trajectories=[], version=0, groups={}, grad_norm=None)
+    assert empty["train/loss"] is None and empty["reward/mean"] is None
+    json.dumps(m, allow_nan=False)
+
+
+def test_metrics_log_reads_back_with_tensorboard(tmp_path):
+    """metrics.jsonl and TensorBoard event files, read with TensorBoard's own reader; a
+    resumed run (purge_step) replaces the steps it trains again, in both."""
+    def figures(step, life):
+        return {"train/loss": 0.1 * step + life, "mismatch/abs_mean": 0.01 * step,
+                "reward/mean": None, "staleness/lag_hist": {"0": 5, "2": 3 + step}}
+
+    log = MetricsLog(tmp_path)
+    for step in range(4):
+        log.write(step=step, version=step + 1, figures=figures(step, 0))
+    log.close()
+    resumed = MetricsLog(tmp_path, purge_step=2)  # the job died after checkpoint 2
+    for step in (2, 3, 4):
+        resumed.write(step=step, version=step + 1, figures=figures(step, 10))
+    resumed.close()
+    lines = read_metrics(tmp_path)
+    assert [(m["step"], m["train/loss"]) for m in lines] == [
+        (0, 0.0), (1, pytest.approx(0.1)), (2, pytest.approx(10.2)),
+        (3, pytest.approx(10.3)), (4, pytest.approx(10.4))]
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"histograms": 0})
+    acc.Reload()  # (0: keep every histogram; the reader's default keeps one)
+    assert "reward/mean" not in acc.Tags()["scalars"]  # None is not a value
+    loss = acc.Scalars("train/loss")
+    assert [s.step for s in loss] == [0, 1, 2, 3, 4]
+    assert [s.value for s in loss] == pytest.approx([0.0, 0.1, 10.2, 10.3, 10.4])
+    hist = acc.Histograms("staleness/lag")
+    assert [h.step for h in hist] == [0, 1, 2, 3, 4]
+    assert hist[4].histogram_value.num == 5 + 7 and hist[4].histogram_value.max == 2
