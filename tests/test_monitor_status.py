@@ -197,6 +197,36 @@ def test_report_writes_a_png(run_dir, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+def test_status_and_report_show_the_training_signals(run_dir, source_run):
+    """The last step's loss, entropy, mismatch by lag and staleness in `gyre status`;
+    the report's panels plot every step's figures (the step events' metrics)."""
+    import matplotlib.pyplot as plt
+
+    from gyre_slurm.monitor.report import figure
+
+    out = gyre("status", str(run_dir), "--once", env={"COLUMNS": "300"}).stdout
+    steps = model.step_metrics(model.load(run_dir).events)
+    last = steps[-1]
+    assert f"training (step {last['step']}): loss " in out and "entropy" in out
+    lags = last["staleness/lag_hist"]
+    assert "mismatch |logp trainer - sampler|: mean" in out
+    assert "; by lag " + ", ".join(
+        f"{lag}: {last[f'mismatch/lag{lag}/abs_mean']:.3g}" for lag in lags) in out
+    assert "staleness: tokens by lag " + ", ".join(f"{k}: {v}" for k, v in lags.items()) in out
+    fig = figure(run_dir)
+    try:
+        axes = {ax.get_title(): ax for ax in fig.axes}
+        mismatch = axes["trainer/sampler mismatch on trained tokens, by policy lag"]
+        assert list(mismatch.lines[0].get_ydata()) == [m["mismatch/abs_mean"] for m in steps]
+        training = axes["training signals: entropy, clip fraction, grad norm"]
+        assert list(training.lines[0].get_ydata()) == [m["train/entropy"] for m in steps]
+        rewards = axes["mean reward per step"]
+        assert list(rewards.lines[0].get_ydata()) == [m["reward/mean"] for m in steps]
+    finally:
+        plt.close(fig)
+    assert (source_run / "metrics.jsonl").is_file() or EXAMPLE is not None
+
+
 def tmux_available() -> bool:
     for step in (["apt-get", "install", "-y", "tmux"], ["apt-get", "update"],
                  ["apt-get", "install", "-y", "tmux"]):  # a fresh machine has no apt lists

@@ -305,3 +305,21 @@ def test_settings_refuse_unknown_names(bad, match):
     with pytest.raises(ValueError, match=match):
         LossSettings(**bad)
     assert set(LOSS_NAMES) == {s.name for s in SETTINGS.values()}
+
+
+@pytest.mark.parametrize("override,match", [
+    ("training.loss=ppo2", "training.loss"),
+    ("training.clip_eps_low=1.0", "clip_eps_low must be in \\(0, 1\\)"),
+    ("training.is_cap=0.5", "is_cap = 0.5 would down-weight on-policy tokens"),
+    ("training.is_band_high=0.9", "must hold 1"),
+    ("training.is_mask_level=row", "is_mask_level"),
+])
+def test_config_refuses_bad_loss_settings(override, match):
+    from gyre_slurm.config.schema import load_config
+    from gyre_slurm.errors import ConfigError
+
+    with pytest.raises((ConfigError, ValueError), match=match):
+        load_config(None, [override])
+    cfg = load_config(None, ["training.loss=masked_is", "training.is_mask_level=sequence"])
+    assert LossSettings.from_config(cfg.training) == LossSettings(
+        name="masked_is", is_mask_level="sequence")

@@ -25,6 +25,10 @@ Derived figures (all from events unless said otherwise):
   train compute   sum of `microbatch` + `step` seconds / seconds since start: the share of
                   wall time the train world spent computing (0 when it is idle waiting
                   for trajectories or rebuilding).
+  step metrics    the training signals of each step (loss, clip fraction, entropy, grad
+                  norm, trainer/sampler mismatch by policy lag, staleness, reward spread,
+                  lengths: gyre_slurm/train/metrics.py), from its `step` event; the same
+                  figures are in metrics.jsonl and the TensorBoard files.
   rollout slots   mean over status.json waterlevel_history samples (those with a rollout
                   cell) of in_flight / (rollout_cells x runtime.runs_per_cell from the run
                   dir's config.yaml): how full the rollout cells' run slots were. The
@@ -291,6 +295,15 @@ def step_rates(events: list[dict]) -> list[dict]:
                         "tokens_per_s": e.get("tokens", 0) / dt, "seconds": dt})
         prev = e["t"]
     return out
+
+
+def step_metrics(events: list[dict]) -> list[dict]:
+    """Each step's training signals (`train.metrics.step_metrics`, carried by its `step`
+    event) with "step" added, in step order; a step trained twice (a resumed run) keeps
+    its last event."""
+    by_step = {e["step"]: e["metrics"] for e in events
+               if e["kind"] == "step" and isinstance(e.get("metrics"), dict)}
+    return [{"step": k, **by_step[k]} for k in sorted(by_step)]
 
 
 def load(run_dir: Path, tail: EventTail | None = None,

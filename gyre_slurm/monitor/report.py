@@ -4,8 +4,11 @@ Panels: (1) cell roles over time (seconds since `start`; segments from
 `model.role_segments`, colours of gyre_slurm/sim/report.py ROLE_COLORS); (2) waterlevel
 (status.json waterlevel_history: runs in flight + queued / runs_per_cell, i.e. demand in
 cells) with the rollout-cell count, both in cells;
-(3) mean reward per step (`step` events); (4) throughput per step: trajectories/s and
-tokens/s over the time since the previous step (`model.step_rates`).
+(3) mean reward per step with the mean spread within a group as a band (`step` events'
+training signals, `model.step_metrics`); (4) throughput per step: trajectories/s and
+tokens/s over the time since the previous step (`model.step_rates`); (5) trainer/sampler
+mismatch per step (mean |logp difference|, overall and per policy lag, and the k3 KL
+estimate); (6) entropy of the trained tokens, clip fraction and gradient norm.
 """
 
 from __future__ import annotations
@@ -49,13 +52,66 @@ def draw_waterlevel(ax, snap: model.Snapshot, *, span_s: float) -> None:
     ax.set_xlim(0, max(span_s, 1e-3))
 
 
+def _series(steps: list[dict], key: str) -> tuple[list, list]:
+    pts = [(m["step"], m[key]) for m in steps if m.get(key) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
 def draw_rewards(ax, events: list[dict]) -> None:
-    steps = [e for e in events if e["kind"] == "step"]
-    ax.plot([e["step"] for e in steps], [e.get("mean_reward", 0) for e in steps],
-            marker="o", ms=3)
+    metrics = model.step_metrics(events)
+    if metrics:  # mean reward, and the mean spread within a group as a band
+        xs, mean = _series(metrics, "reward/mean")
+        spread = dict(zip(*_series(metrics, "reward/group_std_mean")))
+        ax.plot(xs, mean, marker="o", ms=3, label="mean reward")
+        ax.fill_between(xs, [m - spread.get(x, 0.0) for x, m in zip(xs, mean)],
+                        [m + spread.get(x, 0.0) for x, m in zip(xs, mean)], alpha=0.2,
+                        label="± spread within a group")
+        ax.legend(loc="lower right", fontsize=8)
+    else:  # run dirs from before the training signals
+        steps = [e for e in events if e["kind"] == "step"]
+        ax.plot([e["step"] for e in steps], [e.get("mean_reward", 0) for e in steps],
+                marker="o", ms=3)
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward")
     ax.set_title("mean reward per step")
+
+
+def draw_mismatch(ax, events: list[dict]) -> None:
+    """Mean |logp trainer - logp sampler| per step, overall and per policy lag; the k3
+    KL estimate on the right axis."""
+    metrics = model.step_metrics(events)
+    lags = sorted({k.split("/")[1] for m in metrics for k in m
+                   if k.startswith("mismatch/lag") and k.endswith("/abs_mean")},
+                  key=lambda lag: int(lag[3:]))
+    ax.plot(*_series(metrics, "mismatch/abs_mean"), color="black", marker="o", ms=3,
+            label="all tokens")
+    for lag in lags:
+        ax.plot(*_series(metrics, f"mismatch/{lag}/abs_mean"), marker=".", ms=3, alpha=0.8,
+                label=f"lag {lag[3:]}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean |logp trainer - sampler|")
+    ax2 = ax.twinx()
+    ax2.plot(*_series(metrics, "mismatch/kl_k3"), color="#d62728", ls="--", label="KL k3")
+    ax2.set_ylabel("KL(sampler || trainer), k3", color="#d62728")
+    if metrics:
+        ax.legend(loc="upper left", fontsize=7, ncol=2)
+    ax.set_title("trainer/sampler mismatch on trained tokens, by policy lag", fontsize=10)
+
+
+def draw_training(ax, events: list[dict]) -> None:
+    """Entropy of the trained tokens and clip fraction; gradient norm on the right."""
+    metrics = model.step_metrics(events)
+    ax.plot(*_series(metrics, "train/entropy"), marker="o", ms=3, label="entropy")
+    ax.plot(*_series(metrics, "train/clip_frac"), marker=".", ms=3, label="clip fraction")
+    ax.set_xlabel("step")
+    ax.set_ylabel("nats / fraction")
+    ax2 = ax.twinx()
+    ax2.plot(*_series(metrics, "train/grad_norm"), color="#9467bd", ls="--",
+             label="grad norm")
+    ax2.set_ylabel("grad norm (before clipping)", color="#9467bd")
+    if metrics:
+        ax.legend(loc="upper left", fontsize=8)
+    ax.set_title("training signals: entropy, clip fraction, grad norm", fontsize=10)
 
 
 def draw_throughput(ax, events: list[dict]) -> None:
@@ -73,7 +129,8 @@ def draw_throughput(ax, events: list[dict]) -> None:
                  "streamed steps can finish in bursts)", fontsize=10)
 
 
-def write_report(run_dir: Path, out: Path) -> None:
+def figure(run_dir: Path):
+    """The report's matplotlib figure of a run dir (close it with plt.close)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -84,14 +141,23 @@ def write_report(run_dir: Path, out: Path) -> None:
     if not {"start", "layout"} <= kinds:
         raise UserError(f"{run_dir / 'events.jsonl'} has no start/layout events yet "
                         "(nothing to report: has the run started?)")
-    fig = plt.figure(figsize=(12, 9))
-    grid = fig.add_gridspec(3, 2, height_ratios=[3, 2, 2])
+    fig = plt.figure(figsize=(12, 12))
+    grid = fig.add_gridspec(4, 2, height_ratios=[3, 2, 2, 2])
     wall = draw_roles(fig.add_subplot(grid[0, :]), snap.events)
     draw_waterlevel(fig.add_subplot(grid[1, :]), snap, span_s=wall)
     draw_rewards(fig.add_subplot(grid[2, 0]), snap.events)
     draw_throughput(fig.add_subplot(grid[2, 1]), snap.events)
+    draw_mismatch(fig.add_subplot(grid[3, 0]), snap.events)
+    draw_training(fig.add_subplot(grid[3, 1]), snap.events)
     fig.suptitle(f"{run_dir.name}: policy {(snap.status or {}).get('policy', '?')}")
     fig.tight_layout()
+    return fig
+
+
+def write_report(run_dir: Path, out: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(run_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)

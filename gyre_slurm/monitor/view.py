@@ -5,7 +5,9 @@ status.json: yellow when > 10 s old and not final, red when > 60 s), step progre
 ETA, one row per cell (role in the simulator's colours, runs served, last 40 s of roles as
 R/T/-), failures in red (kept high so they fit a small screen), waterlevel sparkline
 (status.json waterlevel_history), throughput and busy figures (see model.py), run counts,
-recent rewards, the latest events with their reasons.
+the last step's training signals (loss, clip fraction, entropy, grad norm, reward and its
+spread per group, trainer/sampler mismatch by policy lag, staleness), recent rewards, the
+latest events with their reasons.
 """
 
 from __future__ import annotations
@@ -118,7 +120,37 @@ def figures(snap: model.Snapshot, segs: list, span_s: float) -> Group:
     if train:
         lines.append(Text(f"train world: generation {train.get('generation')}, nodes "
                           f"{train.get('members')}, {train.get('ready_tokens')} tokens ready"))
+    lines += training_lines(model.step_metrics(snap.events))
     return Group(*lines)
+
+
+def _num(value, spec: str = ".3g") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def training_lines(steps: list[dict]) -> list[Text]:
+    """The last step's training signals, and the mismatch per step as a sparkline."""
+    if not steps:
+        return []
+    m = steps[-1]
+    lags = sorted((k.split("/")[1][3:], m[k]) for k in m
+                  if k.startswith("mismatch/lag") and k.endswith("/abs_mean"))
+    hist = m.get("staleness/lag_hist") or {}
+    trend = [s.get("mismatch/abs_mean") or 0.0 for s in steps]
+    return [
+        Text(f"training (step {m['step']}): loss {_num(m.get('train/loss'))}, clip "
+             f"{_num(m.get('train/clip_frac'), '.1%')}, entropy {_num(m.get('train/entropy'))}, "
+             f"grad norm {_num(m.get('train/grad_norm'))}, reward {_num(m.get('reward/mean'))} "
+             f"(group spread {_num(m.get('reward/group_std_mean'))}), "
+             f"{m.get('train/tokens')} tokens"),
+        Text(f"mismatch |logp trainer - sampler|: mean {_num(m.get('mismatch/abs_mean'))}, max "
+             f"{_num(m.get('mismatch/abs_max'))}, KL(k3) {_num(m.get('mismatch/kl_k3'))}; by lag "
+             + (", ".join(f"{lag}: {_num(v)}" for lag, v in lags) or "n/a")
+             + f"; per step {sparkline(trend, width=30)}"),
+        Text("staleness: tokens by lag " + (", ".join(f"{k}: {v}" for k, v in hist.items())
+                                            or "n/a")
+             + f", runs spanning versions {_num(m.get('staleness/multi_version_run_frac'), '.0%')}"
+             f", widest span {_num(m.get('staleness/run_span_max'), 'd')}")]
 
 
 def describe(snap: model.Snapshot, e: dict) -> Text:
