@@ -29,6 +29,8 @@ def test_defaults_load_and_round_trip():
     ({"workload": {"llm_time_fraction": 1.5}}, ["llm_time_fraction must be in [0, 1]", "1.5"]),
     ({"training": {"min_replica_nodes": 64}}, ["min_replica_nodes = 64", "cannot train"]),
     ({"cluster": "big"}, ["cluster: expected a mapping", "str 'big'"]),
+    ({"training": {"packing": "trees"}}, ["training.packing", "'tree'", "'rows'", "'trees'"]),
+    ({"workload": {"rows_reread": 0.5}}, ["workload.rows_reread must be >= 1", "0.5"]),
 ])
 def test_bad_config_names_key_and_fix(data, fragments):
     with pytest.raises(ConfigError) as err:

@@ -111,3 +111,16 @@ def test_seed_changes_the_workload():
     a = sample_workload(load_config(None, ["sim.seed=1"]))
     b = sample_workload(load_config(None, ["sim.seed=2"]))
     assert not np.array_equal(a.work_s, b.work_s)
+
+
+def test_training_cost_counts_the_tokens_the_packing_computes():
+    """The trainer computes a run's tree once with tree packing, `rows_reread` times as
+    many tokens with rows: the simulated training time follows."""
+    base = ["workload.rows_reread=2.5", "training.node_tokens_per_s=200",
+            "workload.duration.sigma=0.0", "handoff.train_state_load_s=0"]
+    tree = load_config(None, base + ["training.packing=tree"])
+    rows = load_config(None, base + ["training.packing=rows"])
+    wt, wr = sample_workload(tree), sample_workload(rows)
+    np.testing.assert_array_equal(wr.tokens, np.rint(wt.tokens * 2.5).astype(np.int64))
+    colocate = lambda cfg, w: simulate(cfg, named_policy(cfg, "colocate"), w)  # noqa: E731
+    assert colocate(rows, wr).makespan_s > colocate(tree, wt).makespan_s

@@ -108,14 +108,21 @@ class WorkloadConfig:
     prompts_per_step: int = 8
     group_size: int = 4  # runs per prompt (the GRPO group)
     duration: DurationConfig = field(default_factory=DurationConfig)
-    tokens_mean: float = 20_000.0  # trained tokens of a run of mean duration
+    tokens_mean: float = 20_000.0  # tokens of a run's prefix tree (its selected
+    #   trajectories, each shared prefix once) at mean duration: what tree packing computes
+    rows_reread: float = 1.0  # tokens rows packing computes per tree token (a run's
+    #   trajectories each re-read their shared prefix); 1.0: linear runs (see
+    #   tools/bench_tree.py for measured values)
     tokens_follow_duration: bool = True  # False: every run trains tokens_mean tokens
-    tokens_max: float = 1_000_000.0  # a run's context limit
+    tokens_max: float = 1_000_000.0  # the most tokens a run costs the trainer
     llm_time_fraction: float = 0.5  # share of a run's time spent waiting on the model
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "prompts_per_step", "group_size", "tokens_mean", "tokens_max"):
             _positive(name, getattr(self, name))
+        if not self.rows_reread >= 1.0:
+            raise FieldError("rows_reread", f"must be >= 1 (rows never compute fewer tokens "
+                             f"than the tree), got {self.rows_reread}")
         if not 0.0 <= self.llm_time_fraction <= 1.0:
             raise FieldError("llm_time_fraction",
                              f"must be in [0, 1], got {self.llm_time_fraction}")
@@ -183,9 +190,9 @@ class TrainerConfig:
     # processes of their own.
     grad_clip: float = 1.0
     # Benchmarks on machines whose virtual nodes share CPU cores (the local cluster):
-    # hold each micro-batch until it has taken tokens / (nodes x this) seconds, the pace
-    # of nodes that each bring their own accelerators. The real training still runs;
-    # None (default): no holding.
+    # hold each micro-batch until it has taken (tokens computed) / (nodes x this) seconds,
+    # the pace of nodes that each bring their own accelerators. The real training still
+    # runs; None (default): no holding.
     pace_node_tokens_per_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -218,7 +225,10 @@ class TrainingConfig:
     min_replica_nodes: int = 1  # a model replica needs this many nodes to train at all
     max_staleness: int = 1  # a trajectory may lag the trained policy by this many versions
     optimizer_step_s: float = 5.0  # fixed cost per optimizer step
-    microbatch_tokens: float = 100_000.0  # token budget of a micro-batch
+    microbatch_tokens: float = 100_000.0  # token budget of a micro-batch (tokens computed)
+    packing: Literal["tree", "rows"] = "tree"  # how a micro-batch is fed to the trainer:
+    #   tree: each run's prefix tree once, with a tree attention mask (docs/tree-training.md);
+    #   rows: each trajectory whole, right-padded
     # The policy loss and its off-policy correction (formulas: gyre_slurm/train/loss.py,
     # docs/off-policy.md). ppo_clip: PPO's clip of the trainer/sampler ratio; tis:
     # truncated importance sampling (weight min(ratio, is_cap)); masked_is: tokens (or

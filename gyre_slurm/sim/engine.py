@@ -21,7 +21,7 @@ from gyre_slurm.sched.cells import Cell, CellTable, Role
 from gyre_slurm.sched.types import CellObs, Decision, Observation, Policy
 from gyre_slurm.sim.rollout import RUNNING, RolloutCells
 from gyre_slurm.sim.training import Microbatch, StepLedger, train_throughput
-from gyre_slurm.sim.workload import Workload
+from gyre_slurm.sim.workload import Workload, computed_per_tree_token
 
 FUTURE, QUEUED, DONE = 0, 1, 3
 RUN_DONE, MIGRATE, PHASE_DONE, TRAIN_DONE, STALL_END, TICK, TRAIN_KICK = range(7)
@@ -371,7 +371,8 @@ class Simulator:
                                                            in_progress=in_progress)),
             train_tokens_per_cell_s=cell_tps,
             min_train_cells=min_cells,
-            tokens_per_run=float(self.cfg.workload.tokens_mean),
+            tokens_per_run=float(self.cfg.workload.tokens_mean
+                                 * computed_per_tree_token(self.cfg)),
             policy_version=self.version, steps_done=self.version,
             num_steps=self.w.num_steps,
             handoff_to_train_s=self.policy_handoff.to_train_s,

@@ -1,9 +1,11 @@
 """Sampling a workload: every run of every step, its duration and its trained tokens.
 
 Runs are ordered by step, then group (prompt), then member. A run's duration is its
-wall time at the reference load (a full cell); its trained tokens grow with its
+wall time at the reference load (a full cell); its prefix tree's tokens grow with its
 duration (`tokens_mean` at the mean duration; every run `tokens_mean` with
-`tokens_follow_duration: false`), up to the context limit `tokens_max`.
+`tokens_follow_duration: false`). The tokens a run costs the trainer are those it
+computes: the tree's tokens with `training.packing: tree`, `workload.rows_reread` times
+as many with `rows`; at most `tokens_max`.
 Deterministic for a seed.
 """
 
@@ -22,7 +24,7 @@ from gyre_slurm.config.trace import load_trace
 @dataclass(frozen=True)
 class Workload:
     work_s: np.ndarray  # float64 per run: duration at the reference load
-    tokens: np.ndarray  # int64 per run: tokens trained from this run
+    tokens: np.ndarray  # int64 per run: tokens the trainer computes for this run
     batch: np.ndarray  # int64 per run: the step that trains it
     group: np.ndarray  # int64 per run: global group (prompt) index
     num_steps: int
@@ -54,10 +56,16 @@ def sample_workload(cfg: GyreConfig, *, base_dir: Path | None = None) -> Workloa
     work = sample_durations(w.duration, num, rng, base_dir=base_dir)
     mean = w.duration.mean_s
     scale = work / mean if w.tokens_follow_duration else np.ones_like(work)
-    tokens = np.minimum(w.tokens_max, np.maximum(1.0, w.tokens_mean * scale))
+    computed = w.tokens_mean * computed_per_tree_token(cfg) * scale
+    tokens = np.minimum(w.tokens_max, np.maximum(1.0, computed))
     index = np.arange(num)
     return Workload(
         work_s=work, tokens=np.rint(tokens).astype(np.int64),
         batch=index // w.runs_per_step, group=index // w.group_size,
         num_steps=w.num_steps, runs_per_step=w.runs_per_step, group_size=w.group_size,
     )
+
+
+def computed_per_tree_token(cfg: GyreConfig) -> float:
+    """Tokens the trainer computes per token of a run's prefix tree (its packing)."""
+    return 1.0 if cfg.training.packing == "tree" else cfg.workload.rows_reread
