@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 from gyre_slurm.config.loader import FieldError, apply_overrides, from_dict, load_yaml_file
+from gyre_slurm.config.phases import PhaseConfig, check_phases
 from gyre_slurm.errors import ConfigError
 
 PolicyName = Literal["elastic", "colocate", "async"]
@@ -116,6 +117,9 @@ class WorkloadConfig:
     tokens_follow_duration: bool = True  # False: every run trains tokens_mean tokens
     tokens_max: float = 1_000_000.0  # the most tokens a run costs the trainer
     llm_time_fraction: float = 0.5  # share of a run's time spent waiting on the model
+    # How demand changes with the step (gyre_slurm/config/phases.py): each phase, from its
+    # from_step on, scales durations and tokens, sets sigma and turns, grows per step.
+    phases: tuple[PhaseConfig, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "prompts_per_step", "group_size", "tokens_mean", "tokens_max"):
@@ -126,6 +130,7 @@ class WorkloadConfig:
         if not 0.0 <= self.llm_time_fraction <= 1.0:
             raise FieldError("llm_time_fraction",
                              f"must be in [0, 1], got {self.llm_time_fraction}")
+        check_phases(self.phases, num_steps=self.num_steps, trace=self.duration.dist == "trace")
 
     @property
     def runs_per_step(self) -> int:

@@ -400,6 +400,7 @@ class Coordinator:
             handoff_to_train_s=self.cfg.handoff.to_train_s,
             handoff_to_rollout_s=self.cfg.handoff.to_rollout_s,
             step_runs_left=self.book.step_runs_left(),
+            run_steps=np.asarray(self.rollouts.run_steps(), dtype=np.int64),
         )
 
     def sample_waterlevel(self) -> dict:

@@ -51,8 +51,10 @@ class RolloutManager:
                                              run_dir=rd.path)
         # Made once now (and dropped: nothing was reset, so nothing to clean): a bad
         # environment setting (an unknown parameter, a sandbox that cannot isolate
-        # here) is refused before any run starts.
+        # here, a phase's turns the env cannot take) is refused before any run starts.
         make_env(cfg.runtime.env, **self.env_params)
+        for phase in cfg.workload.phases:
+            make_env(cfg.runtime.env, **self.env_params_at(phase.from_step))
 
     @property
     def started_file(self) -> Path:
@@ -63,6 +65,21 @@ class RolloutManager:
 
     def elapsed_s(self, now: float) -> list[float]:
         return [now - t for t in self.started_at.values()]
+
+    def run_steps(self) -> list[int]:
+        """The step of each run in flight, in the order of `elapsed_s`."""
+        return [self.book.runs[rid].step for rid in self.started_at]
+
+    def env_params_at(self, step: int) -> dict:
+        """The environment's parameters for a step's runs: its phase's (workload.phases:
+        tool time scaled, tool_sigma and turns set where the env takes them)."""
+        from gyre_slurm.config.phases import StepShape, step_shape
+        from gyre_slurm.envs.base import env_param_names
+
+        shape = step_shape(self.cfg, step)
+        if shape == StepShape():
+            return self.env_params
+        return shape.env_params(self.env_params, env_param_names(self.cfg.runtime.env))
 
     def fill(self, capacity: int) -> int:
         """Start pending runs while servers have room. Returns how many started."""
@@ -91,17 +108,19 @@ class RolloutManager:
 
     async def _run(self, entry) -> None:
         from gyre_slurm.agents.loop import run_agent
+        from gyre_slurm.config.phases import step_shape
         from gyre_slurm.envs import make_env
         from gyre_slurm.envs.base import run_seed_of
 
         rt = self.cfg.runtime
-        env = make_env(rt.env, **self.env_params)
+        env = make_env(rt.env, **self.env_params_at(entry.step))
+        turns = step_shape(self.cfg, entry.step).turns or rt.max_turns
         task = self._task_spec(entry.step, entry.prompt)
         base_url = f"{self.gateway_url}/runs/{entry.run_id}/v1"
         try:
             result = await asyncio.wait_for(run_agent(
                 base_url=base_url, api_key=self.api_key, env=env, task=task,
-                run_id=entry.run_id, max_turns=rt.max_turns,
+                run_id=entry.run_id, max_turns=turns,
                 context_budget_tokens=rt.context_budget_tokens, max_tokens=rt.max_tokens,
                 temperature=rt.temperature,
                 run_seed=run_seed_of(self.cfg.sim.seed, entry.run_id)), timeout=rt.run_timeout_s)

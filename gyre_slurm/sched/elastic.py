@@ -30,7 +30,7 @@ from typing import Sequence
 from gyre_slurm.config.schema import SchedulerConfig
 from gyre_slurm.sched.cells import Role
 from gyre_slurm.sched.types import CellObs, Decision, Layout, Observation
-from gyre_slurm.sched.waterlevel import DurationModel, waterlevel
+from gyre_slurm.sched.waterlevel import DurationModel, StepDurations, waterlevel
 
 
 def floors_layout(num_cells: int, *, min_rollout: int, min_train: int) -> Layout:
@@ -53,7 +53,7 @@ class ElasticPolicy:
         self.cfg = cfg
         self.name = name
         self.streaming = cfg.streaming
-        self.durations = durations
+        self.durations = StepDurations.of(durations) if durations is not None else None
         self.work_horizon_s = work_horizon_s  # how far ahead the release gate counts work
         self._release_since: float | None = None
 
@@ -80,7 +80,7 @@ class ElasticPolicy:
             # Slots that free up before a reclaimed cell could start serving.
             incoming = len([c for c in obs.cells if c.target is Role.ROLLOUT])
             finishing = obs.runs_in_flight - self.durations.expected_remaining_runs(
-                obs.run_elapsed_s, obs.handoff_to_rollout_s)
+                obs.run_elapsed_s, obs.handoff_to_rollout_s, obs.run_steps)
             queue = queue - finishing - incoming * cap
         need = math.ceil(queue / cap - h) if queue > h * cap else 0
         if rollout_side == 0:
@@ -158,7 +158,8 @@ class ElasticPolicy:
 
     def _expected_level(self, obs: Observation) -> float:
         horizon = obs.handoff_to_train_s + obs.handoff_to_rollout_s
-        in_flight = self.durations.expected_remaining_runs(obs.run_elapsed_s, horizon)
+        in_flight = self.durations.expected_remaining_runs(obs.run_elapsed_s, horizon,
+                                                           obs.run_steps)
         demand = in_flight + obs.runs_queued
         # The next step's batch opens once the current step is trained: if that happens
         # within the horizon, its runs are demand now.
@@ -175,7 +176,7 @@ class ElasticPolicy:
         if self.durations is not None:
             horizon = self.work_horizon_s
             finishing = obs.runs_in_flight - self.durations.expected_remaining_runs(
-                obs.run_elapsed_s, horizon)
+                obs.run_elapsed_s, horizon, obs.run_steps)
             tokens += finishing * obs.tokens_per_run
         work_cell_s = tokens / obs.train_tokens_per_cell_s
         round_trip_s = obs.handoff_to_train_s + obs.handoff_to_rollout_s

@@ -21,12 +21,13 @@ import math
 from pathlib import Path
 from typing import Callable
 
+from gyre_slurm.config.phases import StepShape, step_shape
 from gyre_slurm.config.schema import GyreConfig
 from gyre_slurm.config.trace import load_trace
 from gyre_slurm.sched.baselines import AsyncPolicy, ColocatePolicy
 from gyre_slurm.sched.elastic import ElasticPolicy
 from gyre_slurm.sched.types import Policy
-from gyre_slurm.sched.waterlevel import DurationModel
+from gyre_slurm.sched.waterlevel import DurationModel, StepDurations
 
 
 def run_policy(cfg: GyreConfig) -> Policy:
@@ -37,13 +38,27 @@ def run_policy(cfg: GyreConfig) -> Policy:
     return named_policy(cfg, cfg.scheduler.policy)
 
 
-def duration_model(cfg: GyreConfig, *, base_dir: Path | None = None) -> DurationModel:
-    """The prior the elastic forecast uses: the configured distribution (a trace: its
-    empirical survival). The policy never sees the sampled durations themselves."""
+def duration_model(cfg: GyreConfig, *, base_dir: Path | None = None) -> StepDurations:
+    """The prior the elastic forecast uses, per step: the configured distribution (a
+    trace: its empirical survival) shaped by each step's phase. The policy never sees
+    the sampled durations themselves."""
     d = cfg.workload.duration
-    if d.dist == "trace":
-        return DurationModel.empirical(load_trace(d.trace_file, base_dir=base_dir))
-    return DurationModel.lognormal(mean_s=d.mean_s, sigma=d.sigma, max_s=d.max_s)
+    trace = load_trace(d.trace_file, base_dir=base_dir) if d.dist == "trace" else None
+    models: dict[StepShape, DurationModel] = {}
+    per_step = []
+    for step in range(cfg.workload.num_steps):
+        shape = step_shape(cfg, step)
+        key = StepShape(duration_scale=round(shape.duration_scale, 9), sigma=shape.sigma)
+        if key not in models:
+            scale = shape.duration_scale
+            if trace is not None:
+                models[key] = DurationModel.empirical(trace * scale)
+            else:
+                models[key] = DurationModel.lognormal(
+                    mean_s=d.mean_s * scale, sigma=d.sigma if shape.sigma is None else shape.sigma,
+                    max_s=None if d.max_s is None else d.max_s * scale)
+        per_step.append(models[key])
+    return StepDurations(tuple(per_step))
 
 
 def make_elastic(cfg: GyreConfig, *, base_dir: Path | None = None, name: str = "elastic",

@@ -52,6 +52,7 @@ class Observation:
     handoff_to_train_s: float  # measured (or configured) cost of a rollout -> train handoff
     handoff_to_rollout_s: float
     step_runs_left: int = 0  # runs of the step being trained that have not finished
+    run_steps: np.ndarray | None = None  # the step of every run in flight (as run_elapsed_s)
 
     def count(self, role: Role, *, target: Role | None = None) -> int:
         return sum(1 for c in self.cells if c.role is role and (target is None or c.target is target))

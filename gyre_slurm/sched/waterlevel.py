@@ -61,3 +61,37 @@ class DurationModel:
         # Runs already past the model's support (slowed by load): assume half stay.
         ratio = np.where(now > 1e-9, later / np.maximum(now, 1e-9), 0.5)
         return float(ratio.sum())
+
+    def mean_s(self) -> float:
+        """The mean duration: the integral of the survival function."""
+        grid = np.concatenate(([0.0], self.grid_s))
+        surv = np.concatenate(([1.0], self.survival))
+        return float(np.sum((surv[1:] + surv[:-1]) * np.diff(grid)) / 2)
+
+
+@dataclass(frozen=True)
+class StepDurations:
+    """A duration model per training step (workload phases: durations change as training
+    goes); a run in flight is expected from its own step's model."""
+
+    models: tuple[DurationModel, ...]
+
+    @classmethod
+    def of(cls, model: "DurationModel | StepDurations") -> "StepDurations":
+        return model if isinstance(model, StepDurations) else cls((model,))
+
+    def at(self, step: int) -> DurationModel:
+        return self.models[min(max(int(step), 0), len(self.models) - 1)]
+
+    def expected_remaining_runs(self, elapsed_s: np.ndarray, horizon_s: float,
+                                steps: np.ndarray | None = None) -> float:
+        """Expected count of the in-flight runs (of steps `steps`, None: the first
+        model's) still running `horizon_s` from now."""
+        if steps is None or len(self.models) == 1:
+            return self.models[0 if steps is None else 0].expected_remaining_runs(
+                elapsed_s, horizon_s)
+        total = 0.0
+        for step in np.unique(steps):
+            mine = steps == step
+            total += self.at(step).expected_remaining_runs(elapsed_s[mine], horizon_s)
+        return total

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gyre_slurm.config.phases import step_shape
 from gyre_slurm.config.schema import GyreConfig, HandoffConfig
 from gyre_slurm.sched.cells import Cell, CellTable, Role
 from gyre_slurm.sched.types import CellObs, Decision, Observation, Policy
@@ -372,12 +373,14 @@ class Simulator:
             train_tokens_per_cell_s=cell_tps,
             min_train_cells=min_cells,
             tokens_per_run=float(self.cfg.workload.tokens_mean
-                                 * computed_per_tree_token(self.cfg)),
+                                 * computed_per_tree_token(self.cfg)
+                                 * step_shape(self.cfg, min(step, self.w.num_steps - 1)).tokens_scale),
             policy_version=self.version, steps_done=self.version,
             num_steps=self.w.num_steps,
             handoff_to_train_s=self.policy_handoff.to_train_s,
             handoff_to_rollout_s=self.policy_handoff.to_rollout_s,
             step_runs_left=int(self.ledger.runs_left[step]) if step < self.w.num_steps else 0,
+            run_steps=self.w.batch[running],
         )
 
     # -- results ---------------------------------------------------------------------

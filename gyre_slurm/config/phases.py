@@ -1,0 +1,122 @@
+"""Workload phases: how a workload's demand changes with the training step.
+
+In agent RL the mix changes as training goes: responses and horizons lengthen, harder
+tasks enter the mix, tails get heavier. A workload lists `phases`, each starting at a
+step (`from_step`) and holding until the next one starts; a phase scales the
+workload's run durations and trained tokens, may change the durations' spread
+(`sigma`) and the agent's turns per run, and may grow them step by step within the
+phase (`growth_per_step`). Steps before the first phase are the workload as written.
+
+    workload:
+      duration: {mean_s: 600, sigma: 0.5}
+      phases:
+        - {from_step: 0, growth_per_step: 0.05}         # runs lengthen 5% a step
+        - {from_step: 12, duration_scale: 2.0, sigma: 1.0}  # long, heavy-tailed tasks
+
+`shape_at(workload, step)` is the one place a step's shape is resolved: the simulator
+samples from it, the elastic forecast expects from it, the runtime makes its
+environments from it (`StepShape.env_params`). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from gyre_slurm.config.loader import FieldError
+
+
+@dataclass(frozen=True, kw_only=True)
+class PhaseConfig:
+    """The workload from step `from_step` on, until the next phase starts."""
+
+    from_step: int = 0  # first training step of the phase (phases in increasing order)
+    duration_scale: float = 1.0  # run durations x this (mean_s, max_s, a trace's values)
+    sigma: float | None = None  # log-normal sigma of durations here (None: the workload's)
+    tokens_scale: float = 1.0  # trained tokens per run x this
+    turns: int | None = None  # agent turns per run (real runs: runtime.max_turns and the
+    #                           env's `turns`); the simulator scales durations and tokens
+    #                           by turns / runtime.max_turns
+    growth_per_step: float = 0.0  # durations and tokens x (1 + this) per step into the phase
+
+    def __post_init__(self) -> None:
+        if self.from_step < 0:
+            raise FieldError("from_step", f"must be >= 0, got {self.from_step}")
+        for name in ("duration_scale", "tokens_scale"):
+            if not getattr(self, name) > 0:
+                raise FieldError(name, f"must be > 0, got {getattr(self, name)}")
+        if self.sigma is not None and not self.sigma >= 0:
+            raise FieldError("sigma", f"must be >= 0, got {self.sigma}")
+        if self.turns is not None and self.turns < 1:
+            raise FieldError("turns", f"must be >= 1, got {self.turns}")
+        if not self.growth_per_step > -1:
+            raise FieldError("growth_per_step", f"must be > -1 (a shrink of less than "
+                             f"100% a step), got {self.growth_per_step}")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step's runs look like, relative to the workload as written."""
+
+    duration_scale: float = 1.0  # every factor multiplied in: scale, growth, turns
+    sigma: float | None = None
+    tokens_scale: float = 1.0
+    turns: int | None = None
+
+    def env_params(self, params: dict[str, Any], takes: Sequence[str] | None) -> dict[str, Any]:
+        """An environment's parameters for this step: its tool time (`tool_mean_s`,
+        `tool_max_s`) scaled, `tool_sigma` set, `turns` set, where the env takes them
+        (`takes`: its parameter names; None: any)."""
+        out = dict(params)
+
+        def has(key: str) -> bool:
+            return takes is None or key in takes
+
+        if self.duration_scale != 1.0:
+            for key in ("tool_mean_s", "tool_max_s"):
+                if key in out:
+                    out[key] = float(out[key]) * self.duration_scale
+        if self.sigma is not None and has("tool_sigma"):
+            out["tool_sigma"] = self.sigma
+        if self.turns is not None and has("turns"):
+            out["turns"] = self.turns
+        return out
+
+
+def check_phases(phases: Sequence[PhaseConfig], *, num_steps: int, trace: bool) -> None:
+    """Cross-field checks (the workload section's); raises FieldError('phases', ...)."""
+    last = -1
+    for i, p in enumerate(phases):
+        if p.from_step <= last:
+            raise FieldError("phases", f"[{i}].from_step = {p.from_step} does not follow "
+                             f"the previous phase's {last}: list phases in increasing "
+                             f"from_step order, one phase per start step")
+        if p.from_step >= num_steps:
+            raise FieldError("phases", f"[{i}].from_step = {p.from_step} is past the last "
+                             f"step ({num_steps - 1}, workload.num_steps = {num_steps}): "
+                             f"it would never apply; remove it or add steps")
+        if trace and p.sigma is not None:
+            raise FieldError("phases", f"[{i}].sigma applies to log-normal durations; "
+                             f"with duration.dist: trace scale the trace with "
+                             f"duration_scale instead")
+        last = p.from_step
+
+
+def shape_at(phases: Sequence[PhaseConfig], step: int, *, base_turns: int) -> StepShape:
+    """The shape of step `step`'s runs: the last phase starting at or before it."""
+    phase = None
+    for p in phases:
+        if p.from_step <= step:
+            phase = p
+    if phase is None:
+        return StepShape()
+    grow = (1.0 + phase.growth_per_step) ** (step - phase.from_step)
+    turns = phase.turns / base_turns if phase.turns is not None else 1.0
+    return StepShape(duration_scale=phase.duration_scale * grow * turns, sigma=phase.sigma,
+                     tokens_scale=phase.tokens_scale * grow * turns, turns=phase.turns)
+
+
+def step_shape(cfg, step: int) -> StepShape:
+    """`shape_at` for a whole config (a GyreConfig: turns are relative to
+    runtime.max_turns)."""
+    return shape_at(cfg.workload.phases, step, base_turns=cfg.runtime.max_turns)
