@@ -13,7 +13,6 @@ the same whatever the phases, so a phase changes a run's size, not which run it 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
