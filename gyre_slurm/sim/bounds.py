@@ -4,9 +4,11 @@
   runs at the reference rate 1, the least cell-time per run). Training X tokens on a
   world of w cells takes X / thr(w) wall seconds and w X / thr(w) cell-seconds; thr is
   concave in w (scaling efficiency <= 1), so by Jensen a world of constant width is
-  the cheapest way to train X tokens in a given time. The makespan M therefore obeys,
-  for the best width w: X / thr(w) <= M and rollout + w X / thr(w) <= N M; the bound
-  is the least such M over every feasible w, plus the serial optimizer steps.
+  the cheapest way to train X tokens in a given time; a run may also alternate between
+  two widths (the cheap narrow one and the fast wide one). The makespan M therefore
+  obeys, for the best mix of widths: X a <= M and rollout + X b <= N M, with a and b
+  the mix's wall and cell-seconds per token; the bound is the least such M over every
+  mix (the frontier of the widths' (a, b) points), plus the serial optimizer steps.
 - critical path: step k trains batch k, whose runs may start only once step
   k - s - 1 has finished (staleness bound s). Even alone on a cell a run takes
   work / rate(1); step k ends no sooner than its last run plus the training of that
@@ -48,15 +50,53 @@ def lower_bound(cfg: GyreConfig, w: Workload, *, staleness: int | None = None) -
 
 
 def work_bound(cfg: GyreConfig, *, rollout_cell_s: float, tokens: float) -> float:
+    """The least makespan M for which some mix of training widths trains `tokens` within
+    M wall seconds and, with rollout, within the cells' N M cell-seconds. Training at
+    width w costs a_w = 1 / thr(w) wall and b_w = w / thr(w) cell-seconds per token; a
+    run may alternate between widths, so any mix on the frontier of the points (a_w, b_w)
+    is allowed: M = min over the frontier of max(tokens a, (rollout + tokens b) / N)."""
     num_cells, cell_nodes = cfg.cluster.num_cells, cfg.cluster.cell_nodes
-    best = float("inf")
+    points = []
     for width in range(1, num_cells + 1):
         thr = train_throughput(cfg.training, width * cell_nodes)
-        if thr <= 0:
-            continue
-        wall = tokens / thr
-        best = min(best, max(wall, (rollout_cell_s + width * wall) / num_cells))
+        if thr > 0:
+            points.append((1.0 / thr, width / thr))
+    frontier = _lower_left_hull(points)
+
+    def cost(a: float, b: float) -> float:
+        return max(tokens * a, (rollout_cell_s + tokens * b) / num_cells)
+
+    best = min(cost(a, b) for a, b in frontier)
+    for (a1, b1), (a2, b2) in zip(frontier, frontier[1:]):
+        # Both terms are linear along the segment: the least max is at a crossing.
+        f1, f2 = tokens * (a2 - a1), tokens * (b2 - b1) / num_cells
+        g0 = tokens * a1 - (rollout_cell_s + tokens * b1) / num_cells
+        if f1 != f2:
+            lam = -g0 / (f1 - f2)
+            if 0.0 < lam < 1.0:
+                best = min(best, cost(a1 + lam * (a2 - a1), b1 + lam * (b2 - b1)))
     return best
+
+
+def _lower_left_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points no mix of others beats on both coordinates, in order of a (the lower
+    convex hull, cut where b stops falling as a rises)."""
+    hull: list[tuple[float, float]] = []
+    for p in sorted(set(points)):
+        while len(hull) >= 2:
+            (x1, y1), (x2, y2) = hull[-2], hull[-1]
+            if (x2 - x1) * (p[1] - y1) - (y2 - y1) * (p[0] - x1) <= 0:
+                hull.pop()
+            else:
+                break
+        hull.append(p)
+    out = [hull[0]]
+    for p in hull[1:]:
+        if p[1] < out[-1][1]:
+            out.append(p)
+        else:
+            break
+    return out
 
 
 def critical_path(cfg: GyreConfig, w: Workload, *, staleness: int) -> float:

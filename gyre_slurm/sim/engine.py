@@ -25,7 +25,7 @@ from gyre_slurm.sim.training import Microbatch, StepLedger, train_throughput
 from gyre_slurm.sim.workload import Workload, computed_per_tree_token
 
 FUTURE, QUEUED, DONE = 0, 1, 3
-RUN_DONE, MIGRATE, PHASE_DONE, TRAIN_DONE, STALL_END, TICK, TRAIN_KICK = range(7)
+RUN_DONE, MIGRATE, PHASE_DONE, TRAIN_DONE, STALL_END, TICK, TRAIN_KICK, ADMIT = range(8)
 
 
 class SimDeadlock(RuntimeError):
@@ -107,6 +107,7 @@ class Simulator:
         self.dirty_cells: set[int] = set()
         self.idle_ticks = 0
         self.kick_pending = False
+        self.admit_pending = False
 
     # -- event plumbing --------------------------------------------------------------
     def push(self, t: float, kind: int, a: int = 0, b: int = 0) -> None:
@@ -120,7 +121,7 @@ class Simulator:
         handlers = {RUN_DONE: self.on_run_done, MIGRATE: self.on_migrate,
                     PHASE_DONE: self.on_phase_done, TRAIN_DONE: self.on_train_done,
                     STALL_END: self.on_stall_end, TICK: self.on_tick,
-                    TRAIN_KICK: self.on_train_kick}
+                    TRAIN_KICK: self.on_train_kick, ADMIT: self.on_admit}
         while self.version < self.w.num_steps:
             t, _, kind, a, b = heapq.heappop(self.events)
             self.now = t
@@ -163,6 +164,18 @@ class Simulator:
             self.dirty_cells.add(cell)
             if load + 1 < self.cap:
                 heapq.heappush(free, (load + 1, cell))
+
+    def admit_soon(self) -> None:
+        """Admit queued runs once every event of this instant has landed: cells that
+        return to rollout together share the queue (least loaded first), not the first
+        one back taking it all."""
+        if not self.admit_pending:
+            self.admit_pending = True
+            self.push(self.now, ADMIT)
+
+    def on_admit(self, _a: int, _b: int) -> None:
+        self.admit_pending = False
+        self.admit()
 
     def on_run_done(self, cell: int, epoch: int) -> None:
         if epoch != self.rollout.epoch[cell]:
@@ -223,8 +236,6 @@ class Simulator:
                 for run in np.flatnonzero(self.rollout.run_cell == cell.cell_id):
                     self.push(self.now + self.call_gap(), MIGRATE, int(run), cell.cell_id)
             self.maybe_drained(cell.cell_id)
-        elif self.mb is None or cell.cell_id not in self.mb.world:
-            self.leave_training(cell.cell_id)
 
     def maybe_drained(self, cell_id: int) -> None:
         c = self.table[cell_id]
@@ -256,7 +267,7 @@ class Simulator:
         self.mark(cell_id, cell.role.value)
         if cell.role is Role.ROLLOUT:
             self.rollout.advance(cell_id, self.now)
-            self.admit()
+            self.admit_soon()
         else:
             self.kick_train()
 
@@ -311,10 +322,16 @@ class Simulator:
                 self.mb = Microbatch(end_s=self.now + opt, tokens=0, world=mb.world,
                                      compute_s=opt, optimizer=True)
                 self.push(self.mb.end_s, TRAIN_DONE)
+        self.release_trainers()
+        self.kick_train()
+
+    def release_trainers(self) -> None:
+        """Cells draining towards rollout that train no micro-batch now leave, together:
+        only the cells staying in training rebuild their world (cells leaving at once
+        all arrive at once, not in the order their decisions were applied)."""
         for cell_id in self.table.ids(Role.DRAINING, target=Role.ROLLOUT):
             if self.mb is None or cell_id not in self.mb.world:
                 self.leave_training(cell_id)
-        self.kick_train()
 
     def finish_step(self) -> None:
         self.version += 1
@@ -335,6 +352,7 @@ class Simulator:
         decisions = list(self.policy.decide(obs))
         for d in decisions:
             self.apply(d)
+        self.release_trainers()
         self.check_progress(obs, decisions)
         if not extra:
             self.push(self.now + self.cfg.sim.policy_interval_s, TICK)
