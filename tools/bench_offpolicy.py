@@ -4,6 +4,7 @@ stale trajectories and a visibly mismatched sampler.
 
     tools/gyre-env python tools/bench_offpolicy.py [--steps 16] [--temperature 0.7]
         [--losses ppo_clip,tis,masked_is,decoupled,gspo] [--seed 0] [--out DIR]
+        [--plot OUT.png] [--report DIR]
 
 Runs `gyre run configs/tiny.yaml` (4 virtual nodes, the tiny model, the `learnable`
 task with two turns, so that a run's calls can be served by different policy
@@ -36,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from gyre_slurm.common.fsio import read_jsonl  # noqa: E402
 from gyre_slurm.runtime.metrics import read_metrics  # noqa: E402
 from gyre_slurm.train.loss import LOSS_NAMES  # noqa: E402
 
@@ -130,6 +132,29 @@ def print_summary(runs: dict[str, list[dict]], names: list[str], walls: dict) ->
               f"; {walls[n]:.0f} s")
 
 
+def plot(runs: dict[str, list[dict]], names: list[str], out: Path, title: str) -> None:
+    """Reward and mismatch per step, one line per run, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for n in names:
+        steps = [m["step"] for m in runs[n]]
+        style = {"color": "black", "ls": "--"} if n == "reference" else {}
+        left.plot(steps, [m.get("reward/mean") for m in runs[n]], label=n, **style)
+        right.plot(steps, [m.get("mismatch/abs_mean") for m in runs[n]], label=n, **style)
+    left.set(xlabel="step", ylabel="mean reward", title="reward per step")
+    right.set(xlabel="step", ylabel="mean |logp trainer - logp sampler|",
+              title="mismatch on trained tokens per step")
+    left.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=16)
@@ -138,19 +163,26 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="keep the run dirs here")
     p.add_argument("--timeout-s", type=float, default=1800)
+    p.add_argument("--plot", type=Path, default=None, help="also draw the curves (PNG)")
+    p.add_argument("--report", type=Path, default=None,
+                   help="print (and plot) the run dirs of an earlier --out DIR, run nothing")
     args = p.parse_args()
     losses = [x for x in args.losses.split(",") if x]
     unknown = set(losses) - set(LOSS_NAMES)
     if unknown:
         p.error(f"unknown loss(es) {sorted(unknown)}; choose from {', '.join(LOSS_NAMES)}")
-    out = args.out or Path(tempfile.mkdtemp(prefix="gyre-offpolicy-"))
+    out = args.report or args.out or Path(tempfile.mkdtemp(prefix="gyre-offpolicy-"))
     common = BASE + [f"workload.num_steps={args.steps}", f"sim.seed={args.seed}"]
     plan = {"reference": common + ["runtime.temperature=1.0"]}
     plan.update({loss: common + [f"runtime.temperature={args.temperature}",
                                  f"training.loss={loss}"] for loss in losses})
     runs, walls = {}, {}
     for name, sets in plan.items():
-        walls[name] = run(out / name, sets, timeout_s=args.timeout_s)
+        if args.report is None:
+            walls[name] = run(out / name, sets, timeout_s=args.timeout_s)
+        else:  # the run dirs of an earlier measurement
+            walls[name] = next((e["wall_s"] for e in read_jsonl(out / name / "events.jsonl")
+                                if e["kind"] == "finish"), float("nan"))
         runs[name] = read_metrics(out / name)
         print(f"{name}: {len(runs[name])} steps in {walls[name]:.0f} s ({out / name})",
               flush=True)
@@ -162,6 +194,10 @@ def main() -> int:
     names = ["reference"] + losses
     print_side_by_side(runs, names)
     print_summary(runs, names, walls)
+    if args.plot:
+        plot(runs, names, args.plot, f"learnable task, max_staleness 4, sampler temperature "
+             f"{args.temperature:g} (reference: 1.0), seed {args.seed}")
+        print(f"\ncurves: {args.plot}")
     return 0
 
 

@@ -13,6 +13,9 @@ Checks, each timed, each a row of the table printed at the end:
               a published policy reloaded by transformers with the same log-probs, a
               handoff through a checkpoint that restores the state bit for bit
   bf16        the tiny model in bf16 against fp32 (log-prob difference), a bf16 step
+  losses      every training.loss trains a micro-batch sampled by the model in bf16 (a
+              bf16 sampler against the fp32 trainer): finite loss, entropy and grad norm,
+              and the trainer/sampler mismatch it reports
   megatron    Megatron-core TP=1/PP=1 with its real CUDA path (no CPU shim): weights from
               the HF checkpoint give transformers' log-probs, steps train, a
               dist_checkpointing save/load round trip keeps the loss, the export reloads
@@ -199,6 +202,41 @@ def check_bf16(args, model_dir: Path, work: Path):
     return f"{device}: bf16 vs fp32 log-probs max |diff| {diff:.3f}; a bf16 step, loss {float(loss):.3f}"
 
 
+@check("losses")
+def check_losses(args, store_port, gens, model_dir: Path, work: Path):
+    """Every training.loss trains a micro-batch whose sampling logprobs come from the
+    model in bf16 (a bf16 sampler against the fp32 trainer): finite loss and signals,
+    and the mismatch they report is the bf16/fp32 difference."""
+    import torch
+
+    from gyre_slurm.train import dist as gdist
+    from gyre_slurm.train.loss import LOSS_NAMES
+    from gyre_slurm.train.worker import TrainerWorker
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    mb = micro_batch(11, n=4)
+    for t in mb:  # the bf16 sampler's logprobs of its own tokens, at version 0
+        lp = hf_logprobs(model_dir, work / "v0", t["token_ids"], device, dtype=torch.bfloat16)
+        t["logprobs"] = [x if m else 0.0 for x, m in zip(lp, t["loss_mask"])]
+        t["versions"] = [0 if m else -1 for m in t["loss_mask"]]
+    found = []
+    for name in LOSS_NAMES:
+        w = TrainerWorker(model_dir=model_dir, node_index=0, lr=1e-3, seed=0,
+                          loss={"name": name})
+        spec = gdist.WorldSpec(next(gens), 1, "127.0.0.1", store_port, backend=args.backend)
+        w.join(spec, 0, src_rank=0, init_weights=work / "v0")
+        s = w.train_microbatch(mb, num_step_tokens=n_tokens(mb))
+        res = w.optimizer_step()
+        w.leave()
+        figures = [s["loss_sum"], s["entropy_sum"], s["mismatch_abs_sum"], res["grad_norm"]]
+        if not all(math.isfinite(x) for x in figures) or s["mismatch_abs_max"] <= 0:
+            raise AssertionError(f"{name}: {s}, grad norm {res['grad_norm']}")
+        found.append(f"{name} {s['loss_sum'] / s['tokens']:+.4f}")
+    return (f"{device}: bf16 sampler vs fp32 trainer, mean |d| "
+            f"{s['mismatch_abs_sum'] / s['tokens']:.4f}, max {s['mismatch_abs_max']:.4f}, "
+            f"k3 {s['mismatch_k3_sum'] / s['tokens']:.2e}; loss per token: " + ", ".join(found))
+
+
 @check("megatron")
 def check_megatron(args, store_port, gens, model_dir: Path, work: Path):
     try:
@@ -257,7 +295,8 @@ def main(argv=None) -> int:
     p.add_argument("--allow-cpu", action="store_true",
                    help="without a GPU, run the same checks on CPU with gloo")
     p.add_argument("--rebuilds", type=int, default=20)
-    p.add_argument("--skip", nargs="*", default=[], choices=["torch", "bf16", "megatron", "nccl"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["torch", "bf16", "losses", "megatron",
+                                                           "nccl"])
     p.add_argument("--json", type=Path, help="also write the table here")
     args = p.parse_args(argv)
     import torch
@@ -289,6 +328,8 @@ def main(argv=None) -> int:
             check_torch(args, port, gens, model_dir, work)
         if "bf16" not in args.skip:
             check_bf16(args, model_dir, work)
+        if "losses" not in args.skip:
+            check_losses(args, port, gens, model_dir, work)
         if "megatron" not in args.skip:
             check_megatron(args, port, gens, model_dir, work)
     del store
