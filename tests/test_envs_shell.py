@@ -2,9 +2,13 @@
 the tasks' own tests. No model: the actions are crafted replies."""
 
 import asyncio
+import contextlib
+import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -111,42 +115,95 @@ def test_a_command_over_a_limit_ends_the_episode_with_its_reason(command, params
         assert res.observation.count("flood") <= 4096 // 6 + 1
 
 
-@pytest.fixture
-def host_dir():
-    """A world-writable host directory outside every hidden path: only the read-only
-    mount keeps the sandbox from writing there."""
-    d = Path(tempfile.mkdtemp(prefix=".sandbox-probe-", dir=ROOT))
-    d.chmod(0o777)
-    yield d
-    for p in d.iterdir():
-        p.unlink()
-    d.rmdir()
+# Run from a checkout (argv[1]: a world-writable host dir in it, argv[2]: a file name): a
+# solved episode, writes outside the workdir, and a search of the whole sandbox for
+# anything of the tasks (this checkout's, another checkout's, an installed copy's).
+SANDBOX_CHECK = r"""
+import asyncio, json, sys
+from pathlib import Path
+from gyre_slurm.envs import make_env
+from gyre_slurm.envs.shell import TASKS_DIR, task_names
+
+host_dir, tag = sys.argv[1], sys.argv[2]
+names = " -o ".join(f"-name {n}" for n in ["solution.sh", "task.yaml", "gyre_runner.py",
+                                             *task_names()])
+find = (f"find / \\( -path /proc -o -path /dev -o -path /sys \\) -prune -o \\( {names} \\) "
+        f"-print 2>/dev/null; ls -A {TASKS_DIR} 2>/dev/null | wc -l")
+writes = [f"echo x > /etc/{tag}", f"touch /tmp/../root/{tag}", f"echo x > {host_dir}/{tag}",
+          f"echo x > {host_dir}/../{tag}", f"ln -s /etc {tag}-link && echo x > {tag}-link/{tag}"]
+
+async def main():
+    env = make_env("shell", max_steps=20)
+    await env.reset(task_id="shell/fix-off-by-one/0", seed=0)
+    step = lambda c: env.step(f"```bash\n{c}\n```")
+    out = {"tasks_dir": str(TASKS_DIR), "writes": []}
+    for c in writes:
+        res = await step(c)
+        out["writes"].append([c, res.info["exit_code"], res.observation])
+    await step(f"echo x > $HOME/../{tag}")  # a private tmpfs: nothing reaches the host
+    out["find"] = (await step(find)).observation
+    await step((TASKS_DIR / "fix-off-by-one" / "solution.sh").read_text())
+    out["reward"] = (await step("submit")).reward
+    await env.close()
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
 
 
-def test_writes_outside_the_workdir_fail_and_leave_no_host_file(host_dir):
+@pytest.fixture(params=["this checkout", "a copy under /tmp", "a copy under a 0700 dir"])
+def checkout(request, tmp_path):
+    """Where the package runs from: its root (on PYTHONPATH) and a world-writable host
+    dir in it. The sandbox must not depend on that place being visible to its user."""
+    if request.param == "this checkout":
+        root, made = ROOT, None
+    elif request.param == "a copy under /tmp":
+        made = root = Path(tempfile.mkdtemp(prefix="gyre-checkout-"))
+        root.chmod(0o755)
+    else:
+        made = Path(tempfile.mkdtemp(prefix=".gyre-private-", dir=ROOT))  # mode 0700
+        root = made / "checkout"
+    if made is not None:
+        shutil.copytree(ROOT / "gyre_slurm", root / "gyre_slurm",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    probe = Path(tempfile.mkdtemp(prefix=".sandbox-probe-", dir=root))
+    probe.chmod(0o777)
+    try:
+        yield root, probe
+    finally:
+        shutil.rmtree(made if made is not None else probe)
+
+
+def test_the_sandbox_hides_the_tasks_and_keeps_the_host_read_only_wherever_it_runs(checkout):
+    root, probe = checkout
     tag = f"gyre-test-{os.getpid()}"
-    cmds = [f"echo x > /etc/{tag}", f"touch /tmp/../root/{tag}", f"echo x > {host_dir}/{tag}",
-            f"echo x > {host_dir}/../{tag}", f"ln -s /etc {tag}-link && echo x > {tag}-link/{tag}"]
-    # $HOME/.. is a private tmpfs: writable or not, nothing reaches the host's /home
-    hidden = f"find {TASKS_DIR} /tmp -mindepth 1 | wc -l"  # no tests, no solutions in sight
-    results, _ = run(episode([reply(c) for c in cmds] + [reply(f"echo x > $HOME/../{tag}"),
-                                                           reply(hidden), reply("submit")],
-                             max_steps=20))
-    assert results[-2].observation.startswith("<returncode>0</returncode>\n<output>\n0\n")
-    for c, res in zip(cmds, results):
-        assert res.info["exit_code"] not in (0, None), (c, res.observation)
-        assert "Read-only file system" in res.observation or "Permission denied" in \
-            res.observation, (c, res.observation)
-    for path in (f"/etc/{tag}", f"/root/{tag}", f"/home/{tag}", f"{host_dir}/{tag}",
-                 f"{ROOT}/{tag}"):
+    proc = subprocess.run([sys.executable, "-c", SANDBOX_CHECK, str(probe), tag], cwd=root,
+                          env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert Path(out["tasks_dir"]).is_relative_to(root), out["tasks_dir"]
+    # nothing of any task in sight (before scoring): no folder, solution, test or runner
+    assert out["find"] == "<returncode>0</returncode>\n<output>\n0\n</output>", out["find"]
+    for c, code, observation in out["writes"]:
+        assert code not in (0, None), (c, observation)
+        assert any(m in observation for m in ("Read-only file system", "Permission denied",
+                                              "No such file or directory")), (c, observation)
+    for path in (f"/etc/{tag}", f"/root/{tag}", f"/home/{tag}", f"{probe}/{tag}",
+                 f"{root}/{tag}", f"{ROOT}/{tag}"):
         assert not os.path.lexists(path), path
+    assert out["reward"] == 1.0  # and the sandbox still does its job from there
 
 
 def test_no_network_inside():
     srv = socket.create_server(("127.0.0.1", 0))
     port = srv.getsockname()[1]
     accepted = []
-    threading.Thread(target=lambda: accepted.append(srv.accept()), daemon=True).start()
+    def accept():
+        with contextlib.suppress(OSError):  # closed at the end: nothing connected
+            accepted.append(srv.accept())
+
+    threading.Thread(target=accept, daemon=True).start()
     with tempfile.TemporaryDirectory() as d:
         usock = Path(d, "s")
         Path(d).chmod(0o755)

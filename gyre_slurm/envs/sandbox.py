@@ -8,10 +8,17 @@ files in `workdir` carries over to the next command.
 
 Isolation `"bwrap"` (bubblewrap; `ensure_bwrap()` installs the Debian package when it is
 missing and we are root, then checks that a sandbox starts). What holds:
-- filesystem: `/` is mounted read-only; the workdir, mounted at /home/agent (also the
-  cwd and HOME), is the only writable place; `/tmp`, `/var/tmp`, `/run`, `/home` and
-  each of `hide_paths` are empty private tmpfs; `/dev` is a minimal private one,
-  `/proc` the sandbox's own;
+- filesystem: only the system's directories are there, read-only (`SYSTEM_DIRS`:
+  /usr, /etc, and /bin, /sbin, /lib... as the host has them, directories or links);
+  nothing else of the host is (no home directories, /root, /srv, /mnt, /var, /opt or
+  wherever a checkout of gyre, its tasks or another run's files may live); the
+  workdir, mounted at /home/agent (also the cwd and HOME), is the only writable place
+  (with the empty private tmpfs `/tmp`, `/var/tmp`, `/run`, `/home`); each of
+  `hide_paths` under a system directory is an empty tmpfs too (e.g. the task
+  folders of a gyre installed under /usr); `/dev` is a minimal private one, `/proc`
+  the sandbox's own, `/` itself a read-only tmpfs. The sandbox never depends on where
+  the caller's files are: a checkout under /tmp or under a directory the sandbox's
+  user cannot enter works the same;
 - network: a private network namespace with only a loopback device (no route to the
   host's or anyone's TCP/UDP ports, the host's 127.0.0.1 included), and a seccomp
   filter that refuses `socket(AF_UNIX, ...)` and `io_uring_setup` (so the host's
@@ -28,8 +35,8 @@ missing and we are root, then checks that a sandbox starts). What holds:
   counted per sandbox thanks to its user namespace), no core files; plus wall time
   (the process group is killed; the PID namespace dies with it) and an output cap
   (stdout+stderr merged; past `output_bytes` the command is killed).
-What does not hold: reads are not restricted beyond the above (world-readable host
-files, e.g. the Python installation and /etc, are visible); RLIMIT_AS is per process,
+What does not hold: reads within the system directories are not restricted (their
+world-readable files, e.g. the Python installation and /etc, are visible); RLIMIT_AS is per process,
 so N processes may use N x memory_mb (no cgroup); the "memory" reason is inferred from
 the output (MemoryError, "Cannot allocate memory", ...), since a failed allocation is
 not a signal; CPU time past the soft limit is SIGXCPU, but a SIGKILL at the hard limit
@@ -60,6 +67,9 @@ NOBODY_UID = 65534
 SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SANDBOX_HOME = "/home/agent"  # where the workdir appears inside the sandbox (and HOME)
 HIDDEN = ("/tmp", "/var/tmp", "/run", "/home")  # empty private tmpfs in the sandbox
+# The host's directories the sandbox sees (read-only; a link, as on merged-/usr systems,
+# stays a link): what programs need to run, and nothing of anyone's files.
+SYSTEM_DIRS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 MEMORY_MARKERS = ("MemoryError", "Cannot allocate memory", "memory exhausted",
                   "std::bad_alloc", "out of memory")
 
@@ -156,16 +166,29 @@ def bwrap_argv(workdir: Path | None, *, hide_paths: tuple[str, ...] = (),
     if not privileged:
         argv += ["--unshare-user", "--disable-userns"]
     argv += ["--die-with-parent", "--new-session", "--hostname", "sandbox",
-             "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-    for p in HIDDEN + tuple(p for p in hide_paths if not _under(p, HIDDEN)):
+             *system_mounts(), "--dev", "/dev", "--proc", "/proc"]
+    for p in HIDDEN + tuple(p for p in hide_paths
+                            if _under(p, SYSTEM_DIRS) and not _under(p, HIDDEN)):
         argv += ["--tmpfs", p]
     home = "/" if workdir is None else SANDBOX_HOME
     if workdir is not None:
         argv += ["--bind", str(workdir), home]
+    argv += ["--remount-ro", "/"]  # the root tmpfs, once every mount point is made
     argv += ["--chdir", home, "--clearenv", "--setenv", "PATH", SANDBOX_PATH,
              "--setenv", "HOME", home, "--setenv", "LANG", "C.UTF-8", "--setenv", "TERM", "dumb"]
     if seccomp_fd is not None:
         argv += ["--seccomp", str(seccomp_fd)]
+    return argv
+
+
+def system_mounts() -> list[str]:
+    """bwrap arguments that show the host's SYSTEM_DIRS read-only (links as links)."""
+    argv: list[str] = []
+    for d in SYSTEM_DIRS:
+        if os.path.islink(d):
+            argv += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            argv += ["--ro-bind", d, d]
     return argv
 
 

@@ -17,8 +17,9 @@ the rules of the game.
 
 Actions: the model's reply must hold exactly one ```bash (or ```sh) fenced block; its
 content is the command, run by `bash -c` in the working directory (seen as
-/home/agent) in a sandbox (`gyre_slurm.envs.sandbox`: read-only host, no network,
-limits; files persist between commands, the shell's state does not). The observation
+/home/agent) in a sandbox (`gyre_slurm.envs.sandbox`: only the system's directories,
+read-only; no network; limits; files persist between commands, the shell's state does
+not). The observation
 is "<returncode>N</returncode>\n<output>\n...</output>". A reply with no block or
 several runs nothing and its observation restates the format. A block whose command is
 just `submit` ends the episode.
