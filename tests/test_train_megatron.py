@@ -13,7 +13,10 @@ import torch
 
 from gyre_slurm.models.tiny import load_weights, make_model_dir, new_model, save_weights
 from gyre_slurm.train.dist import WorldSpec, host_store
-from gyre_slurm.train.loss import policy_loss, rows_from_trajectories, token_logprobs
+from gyre_slurm.train.loss import (LossSettings, policy_loss, rows_from_trajectories,
+                                   token_logprobs)
+from gyre_slurm.train.metrics import merge_all
+from gyre_slurm.train.signals import loss_and_signals
 from gyre_slurm.train.megatron import convert
 from gyre_slurm.train.megatron.convert import ModelShape
 from megatron_procs import DriverError, MegatronProcesses
@@ -212,8 +215,27 @@ def test_logprobs_match_transformers(clusters, models, family):
               f"loss {got_loss:.6f} vs {want_loss:.6f}")
         assert got[0] == 0.0 and diff < 1e-4
         assert _close(got_loss, want_loss), (got_loss, want_loss)
+        check_signals(c, model, mb)
     with pytest.raises(DriverError, match="multiple of TP \\* PP"):
         c.world([0, 1], 2, 2, init_weights=str(c.weights))
+
+
+def check_signals(c, model, mb):
+    """The training signals of a micro-batch, reported by one rank per data-parallel
+    replica and merged over the world, equal those of transformers' logits (entropy over
+    the full vocabulary, though the logits are vocabulary-parallel under TP)."""
+    mb = [dict(t, versions=[0 if m else -1 for m in t["loss_mask"]]) for t in mb]
+    rows = rows_from_trajectories(mb, pad_id=model.config.pad_token_id)
+    with torch.no_grad():
+        _, want = loss_and_signals(model(input_ids=rows["token_ids"]).logits.float(), rows,
+                                   settings=LossSettings(), num_step_tokens=1,
+                                   trainer_version=0)
+    got = merge_all(c.on(range(4), "train_microbatch", mb=mb, num_step_tokens=1).values())
+    assert got["tokens"] == want["tokens"] == n_tokens(mb)
+    assert got["trajectories"] == len(mb) and set(got["by_lag"]) == {"0"}
+    for key in ("loss_sum", "entropy_sum", "mismatch_abs_sum", "mismatch_abs_max",
+                "mismatch_k3_sum", "ratio_sum"):
+        assert _close(got[key], want[key], rel=1e-4), (key, got[key], want[key])
 
 
 # ---- 3. the handoff cycle ---------------------------------------------------------------
