@@ -284,7 +284,9 @@ def test_on_policy_tokens_train_alike():
         np.testing.assert_allclose(g, grads[0], rtol=1e-12, atol=1e-15)
 
 
-def test_entropy_of_trained_tokens_matches_reference():
+@pytest.mark.parametrize("chunk", [2048, 3])
+def test_entropy_of_trained_tokens_matches_reference(chunk, monkeypatch):
+    monkeypatch.setattr("gyre_slurm.train.loss.ENTROPY_CHUNK_TOKENS", chunk)
     logits, ids, mask, _, _ = fixed_batch(seed=6)
     got = token_entropy(torch.tensor(logits, dtype=torch.float32), torch.tensor(mask))
     for b in range(mask.shape[0]):

@@ -128,18 +128,26 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tenso
     return torch.nn.functional.pad(picked, (1, 0))
 
 
+ENTROPY_CHUNK_TOKENS = 2048
+
+
 @torch.no_grad()
 def token_entropy(logits: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """[B, T] entropy of the distribution that predicted token t, at trained tokens only
     (0.0 elsewhere): H = logsumexp(z) - Σ_v softmax(z)_v z_v over the full vocabulary
     (with tensor parallelism the logits must be gathered, as the Megatron worker's are).
-    Only the trained positions' rows are taken, so the cost is [tokens, V] once."""
+    Only the trained positions' rows are taken, ENTROPY_CHUNK_TOKENS at a time, in
+    float32 (float64 logits stay float64): the extra memory is [chunk, V], not [B, T, V]."""
     mask = loss_mask.bool()
-    out = torch.zeros(mask.shape, dtype=torch.float64, device=logits.device)
-    rows = logits[:, :-1][mask[:, 1:]].double()
-    if rows.numel():
-        out[:, 1:][mask[:, 1:]] = torch.logsumexp(rows, -1) - (
-            torch.softmax(rows, -1) * rows).sum(-1)
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    out = torch.zeros(mask.shape, dtype=dtype, device=logits.device)
+    rows = logits[:, :-1][mask[:, 1:]]
+    values = []
+    for start in range(0, rows.shape[0], ENTROPY_CHUNK_TOKENS):
+        z = rows[start:start + ENTROPY_CHUNK_TOKENS].to(dtype)
+        values.append(torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1))
+    if values:
+        out[:, 1:][mask[:, 1:]] = torch.cat(values)
     return out
 
 
