@@ -22,7 +22,6 @@ from gyre_slurm.traj.store import CallStoreWriter, load_store
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
-KEY = "ext-key"
 STEP_LIMIT = 3
 
 
@@ -38,7 +37,7 @@ def with_gateway(engine, run_dir, fn):
     """Gateway (+ one server) in this event loop; `await fn(gateway_url)`."""
     async def main():
         writer = CallStoreWriter(run_dir, "gateway")
-        gw = Gateway(model_dir=engine["model_dir"], call_writer=writer, api_key=KEY,
+        gw = Gateway(model_dir=engine["model_dir"], call_writer=writer,
                      wait_for_server_s=10, default_max_tokens=16)
         client = EngineClient(engine["url"], engine["secret"])
         port = await gw.start(HOST, 0)
@@ -65,7 +64,8 @@ def test_mini_swe_agent_run_becomes_trajectories(engine, minisweagent_python, tm
             workdir=workdir, gateway_url=url, run_id="mini-1", out_dir=tmp_path / "agent",
             step_limit=STEP_LIMIT, max_tokens=24, temperature=1.0)
         rec = await run_external_agent_async(
-            scaffold.command, base_url=url, api_key=KEY, run_id="mini-1", workdir=workdir,
+            scaffold.command, base_url=url, api_key=gw.open_run("mini-1"), run_id="mini-1",
+            workdir=workdir,
             env_extra=scaffold.env, timeout_s=120, log_path=tmp_path / "agent" / "mini.log")
         return scaffold, rec, gw.calls_of("mini-1")
 

@@ -220,6 +220,56 @@ def test_errors_and_auth(server, run):
     assert health["status"] == "ok"
 
 
+def test_non_utf8_auth_tiny_temperature_and_disconnect(server, run):
+    """A non-UTF-8 Authorization header is a 401 on every route (never a 500); a denormal
+    temperature samples greedily (no server error); a client that disconnects mid
+    generation has it aborted by vLLM (its `with_cancellation` routes: no request left
+    running, no token generated after), so the gateway's cancelled calls stop on vLLM."""
+    from test_gateway_access import NON_UTF8, raw_status
+
+    host, port = server.base_url[7:].split(":")
+
+    async def metrics(c):
+        async with c._get_session().get(c.base_url + "/metrics") as r:
+            text = await r.text()
+        values = {}
+        for line in text.splitlines():
+            for name in ("num_requests_running", "generation_tokens_total"):
+                if line.startswith(f"vllm:{name}{{"):
+                    values[name] = float(line.split()[-1])
+        return values
+
+    async def go(c):
+        await at_version(c, run, 0)
+        statuses = [await raw_status(host, int(port), path, a) for path in
+                    ("/inference/v1/generate", "/collective_rpc", "/pause") for a in NON_UTF8]
+        tiny_t = await c.generate(PROMPT, max_tokens=6, temperature=1e-38)
+        greedy = await c.generate(PROMPT, max_tokens=6, temperature=0)
+        before = await metrics(c)
+        gens = [asyncio.create_task(c.generate(PROMPT, max_tokens=500, temperature=1.0,
+                                                seed=i)) for i in range(8)]
+        for _ in range(400):  # the server's own count of requests it is serving
+            if (await c.health())["active"] == 8:
+                break
+            await asyncio.sleep(0.01)
+        for g in gens:
+            g.cancel()
+        await asyncio.gather(*gens, return_exceptions=True)
+        for _ in range(100):
+            after = await metrics(c)
+            if after["num_requests_running"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)
+        return statuses, tiny_t, greedy, before, after, await metrics(c), await c.health()
+    statuses, tiny_t, greedy, before, after, later, health = call(server, run, go)
+    assert statuses == [401] * len(statuses)
+    assert tiny_t["output_ids"] == greedy["output_ids"]
+    assert after["num_requests_running"] == 0 and health["status"] == "ok"
+    generated = later["generation_tokens_total"] - before["generation_tokens_total"]
+    assert later == after and generated < 8 * 500 / 2, (before, after, later)
+
+
 def test_gateway_chat_through_vllm(server, run, tmp_path):
     from openai import OpenAI
 
@@ -231,11 +281,12 @@ def test_gateway_chat_through_vllm(server, run, tmp_path):
         async with VllmClient(server.base_url, run["secret"]) as c:
             await at_version(c, run, 0)
             writer = CallStoreWriter(tmp_path, "gateway")
-            gw = Gateway(model_dir=run["model_dir"], call_writer=writer, api_key="k")
+            gw = Gateway(model_dir=run["model_dir"], call_writer=writer)
             port = await gw.start(HOST, 0)
             gw.add_server("cell0", c, capacity=4)
             try:
-                oai = OpenAI(base_url=f"http://{HOST}:{port}/runs/r1/v1", api_key="k")
+                oai = OpenAI(base_url=f"http://{HOST}:{port}/runs/r1/v1",
+                             api_key=gw.open_run("r1"))
                 return await asyncio.to_thread(
                     oai.chat.completions.create, model="gyre-policy", max_tokens=8,
                     temperature=0, logprobs=True,

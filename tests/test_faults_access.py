@@ -160,23 +160,24 @@ def model_dir(tmp_path_factory):
 def test_gateway_refuses_bad_requests_and_keeps_serving(model_dir, tmp_path):
     async def main():
         writer = CallStoreWriter(tmp_path, "gateway")
-        gw = Gateway(model_dir=model_dir, call_writer=writer, api_key=KEY,
+        gw = Gateway(model_dir=model_dir, call_writer=writer,
                      wait_for_server_s=0.1, body_timeout_s=1.0, idle_timeout_s=2.0)
         port = await gw.start("127.0.0.1", 0)
         base = f"http://127.0.0.1:{port}"
+        key = gw.open_run("r1")  # the run's own key
 
         async def good():  # a well-formed call: no server in this test, so a clean 503
-            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as h:
-                async with h.get(f"{base}/v1/models") as r:
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as h:
+                async with h.get(f"{base}/runs/r1/v1/models") as r:
                     assert r.status == 200
                 async with h.post(base + CHAT, json=HELLO) as r:
                     return r.status
         try:
-            statuses = await attack(base, CHAT, GATEWAY_BAD, key=KEY)
+            statuses = await attack(base, CHAT, GATEWAY_BAD, key=key)
             async with aiohttp.ClientSession() as anon:
-                async with anon.get(f"{base}/v1/models") as r:
+                async with anon.get(f"{base}/runs/r1/v1/models") as r:
                     statuses["models-no-key"] = r.status
-            half = await half_attack("127.0.0.1", port, CHAT, KEY, good)
+            half = await half_attack("127.0.0.1", port, CHAT, key, good)
             return statuses, half, await good()
         finally:
             await gw.stop()
@@ -283,7 +284,10 @@ def test_attacks_on_a_live_run_get_4xx_and_lose_nothing(tmp_path):
     run_dir, err = tmp_path / "run", tmp_path / "gyre.err"
     args = [sys.executable, "-m", "gyre_slurm", "run", str(ROOT / "configs" / "tiny.yaml"),
             "--run-dir", str(run_dir)]
-    for item in FAST + ["workload.num_steps=5"]:
+    # colocate with the `wait` drain: an external run that stays registered must not
+    # hold the drain (every cell would wait for it forever)
+    for item in FAST + ["workload.num_steps=5", "gateway.external.enabled=true",
+                        "scheduler.policy=colocate", "scheduler.drain=wait"]:
         args += ["--set", item]
     with open(err, "w") as err_file:  # umask 0: the model's state must stay owner-only
         proc = subprocess.Popen(args, env=dict(os.environ, PYTHONPATH=str(ROOT)),
@@ -296,14 +300,21 @@ def test_attacks_on_a_live_run_get_4xx_and_lose_nothing(tmp_path):
                                   if e["kind"] == "agent_registered"] if
                          (run_dir / "events.jsonl").exists() else None, timeout_s=60, what="agent")[0]
         secret = (run_dir / "secret").read_text().strip()
+        ext_key = (run_dir / "external_key").read_text().strip()
         cmdline = Path(f"/proc/{agent['pid']}/cmdline").read_bytes().split(b"\0")
         coordinator = cmdline[cmdline.index(b"--coordinator") + 1].decode()
 
         async def good_chat():
             async with aiohttp.ClientSession(
-                    headers={"Authorization": f"Bearer {secret}"}) as h:
-                async with h.post(f"{gateway}/runs/probe/v1/chat/completions",
+                    headers={"Authorization": f"Bearer {ext_key}"}) as h:
+                async with h.post(f"{gateway}/runs/ext-probe/v1/chat/completions",
                                   json=HELLO) as r:
+                    return r.status
+
+        async def status(url, key, body=None):
+            async with aiohttp.ClientSession() as h:
+                async with h.post(url, json=body or {},
+                                  headers={"Authorization": f"Bearer {key}"}) as r:
                     return r.status
 
         async def heartbeat(body, key):
@@ -315,14 +326,20 @@ def test_attacks_on_a_live_run_get_4xx_and_lose_nothing(tmp_path):
         async def main():
             host, port = gateway[7:].split(":")
             ahost, aport = agent["url"][7:].split(":")
-            return await asyncio.gather(
-                attack(gateway, "/runs/r1/v1/chat/completions", GATEWAY_BAD, key=secret),
+            crossed = await asyncio.gather(  # each key where it does not belong
+                status(f"{gateway}/runs/s0000-p000-g00/v1/chat/completions", secret, HELLO),
+                status(f"{gateway}/runs/s0000-p000-g00/v1/chat/completions", ext_key, HELLO),
+                status(f"{agent['url']}/cmd/start_engine", ext_key, {"version": 1}),
+                heartbeat({"node": 0}, ext_key))
+            return crossed, *await asyncio.gather(
+                attack(gateway, "/runs/ext-r1/v1/chat/completions", GATEWAY_BAD, key=ext_key),
                 attack(agent["url"], "/cmd/start_engine", AGENT_BAD, key=secret),
-                half_attack(host, int(port), CHAT, secret, good_chat),
+                half_attack(host, int(port), "/runs/ext-r1/v1/chat/completions", ext_key,
+                            good_chat),
                 half_attack(ahost, int(aport), "/cmd/start_engine", secret, good_chat),
                 heartbeat({"node": "zero"}, secret), heartbeat({"node": 0}, "guess"))
         binds = listening(descendants(proc.pid))
-        gw_out, agent_out, gw_half, agent_half, *beats = asyncio.run(main())
+        crossed, gw_out, agent_out, gw_half, agent_half, *beats = asyncio.run(main())
         binds |= listening(descendants(proc.pid))  # training worlds may exist by now
         pids = descendants(proc.pid)
         cmdlines = [Path(f"/proc/{p}/cmdline").read_bytes() for p in pids
@@ -332,6 +349,7 @@ def test_attacks_on_a_live_run_get_4xx_and_lose_nothing(tmp_path):
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
+    assert crossed == [401, 401, 401, 401]  # secret on the gateway, external key elsewhere
     assert gw_out == expected(GATEWAY_BAD)
     assert agent_out == expected(AGENT_BAD)
     assert gw_half["good"] == 200 and agent_half["good"] == 200
@@ -345,12 +363,19 @@ def test_attacks_on_a_live_run_get_4xx_and_lose_nothing(tmp_path):
     assert {f"http://{a}:{p}" for a, p in binds} >= hosts
     stray = {(a, p) for a, p in binds if not re.fullmatch(r"127\.0\.10\.\d+", a)}
     assert all(a == "127.0.0.1" for a, _ in stray), binds
-    # the secret: on no command line, in no file but `secret`; the model's state private
-    assert not any(secret.encode() in c for c in cmdlines)
+    # the secrets: on no command line, each in its own file only; the model's state private
+    assert not any(k.encode() in c for c in cmdlines for k in (secret, ext_key))
     for path in run_dir.rglob("*"):
-        if path.is_file() and path.name != "secret" and path.stat().st_size < 50 << 20:
-            assert secret.encode() not in path.read_bytes(), path
+        if path.is_file() and path.stat().st_size < 50 << 20:
+            data = path.read_bytes()
+            assert path.name == "secret" or secret.encode() not in data, path
+            assert path.name == "external_key" or ext_key.encode() not in data, path
     assert (run_dir / "secret").stat().st_mode & 0o777 == 0o600
+    assert (run_dir / "external_key").stat().st_mode & 0o777 == 0o600
+    # the probes were external runs: recorded apart, never in the job's store
+    from gyre_slurm.traj.store import load_store
+    assert "ext-probe" in load_store(run_dir / "external").runs
+    assert not [r for r in load_store(run_dir).runs if r.startswith("ext-")]
     for sub in ("checkpoints", "weights", "trainer_state"):
         assert (run_dir / sub).stat().st_mode & 0o777 == 0o700, sub
     check_run_dir(run_dir, num_steps=5)  # every step, nothing lost or repeated

@@ -13,8 +13,6 @@ from gyre_slurm.traj.store import CallStoreWriter, load_store
 from engine_helpers import tiny_engines
 
 HOST = "127.0.0.1"
-KEY = "test-key"
-AUTH = {"Authorization": f"Bearer {KEY}"}
 HELLO = [{"role": "system", "content": "you are a test"}, {"role": "user", "content": "hi fox"}]
 
 
@@ -24,19 +22,39 @@ def engines(tmp_path_factory):
         yield e
 
 
-def run_gateway(engines, run_dir, fn, *, servers=("s0", "s1"), wait_s=10.0, timeout_s=40):
+def key_of(gw, run_id):
+    """The run's key, opening the run (as the coordinator does when it starts one)."""
+    keys = gw.__dict__.setdefault("_test_keys", {})
+    if run_id not in gw.runs.runs:
+        keys[run_id] = gw.open_run(run_id)
+    return keys[run_id]
+
+
+def run_keys(gw):
+    """A client middleware that sends each run's own key (opening the run first)."""
+    async def auth(req, handler):
+        parts = req.url.path.split("/")
+        if len(parts) > 2 and parts[1] == "runs":
+            req.headers["Authorization"] = f"Bearer {key_of(gw, parts[2])}"
+        return await handler(req)
+    return auth
+
+
+def run_gateway(engines, run_dir, fn, *, servers=("s0", "s1"), wait_s=10.0, timeout_s=40,
+                **gw_kw):
     """Start a gateway with `servers` (ids -> the module's engines), run `fn(gw, http,
-    base)`, stop everything; `fn`'s result."""
+    base)` with `http` a session that opens each run it calls and sends its key, stop
+    everything; `fn`'s result."""
     async def main():
         writer = CallStoreWriter(run_dir, "gateway")
-        gw = Gateway(model_dir=engines["model_dir"], call_writer=writer, api_key=KEY,
-                     wait_for_server_s=wait_s, default_max_tokens=8)
+        gw = Gateway(model_dir=engines["model_dir"], call_writer=writer,
+                     wait_for_server_s=wait_s, **{"default_max_tokens": 8, **gw_kw})
         clients = [EngineClient(url, engines["secret"]) for url in engines["urls"]]
         port = await gw.start(HOST, 0)
         try:
             for sid, client in zip(servers, clients):
                 gw.add_server(sid, client, capacity=4)
-            async with aiohttp.ClientSession(headers=AUTH) as http:
+            async with aiohttp.ClientSession(middlewares=(run_keys(gw),)) as http:
                 return await asyncio.wait_for(fn(gw, http, f"http://{HOST}:{port}"), timeout_s)
         finally:
             await gw.stop()
@@ -142,7 +160,7 @@ def test_affinity_drain_migrate_remove(engines, tmp_path):
         return servers, before, load_drained, moved, fresh, gw.server_load()
     servers, before, drained, moved, fresh, after = run_gateway(engines, tmp_path, go)
     assert servers == {"a": ["s0"] * 3, "b": ["s1"] * 2}
-    idle = {"in_flight": 0, "suspect": False}
+    idle = {"in_flight": 0, "suspect": False, "external": 0}
     assert before == {"s0": {"runs": 1, "draining": False, **idle},
                       "s1": {"runs": 1, "draining": False, **idle}}
     assert drained["s0"] == {"runs": 1, "draining": True, **idle}
@@ -237,7 +255,7 @@ def test_concurrent_runs_balance_and_record(engines, tmp_path):
         return placed, gw.server_load(), [gw.calls_of(r) for r in run_ids]
     placed, load, calls = run_gateway(engines, tmp_path, go)
     assert all(len(set(p)) == 1 for p in placed)  # affinity under concurrency
-    idle = {"in_flight": 0, "draining": False, "suspect": False}
+    idle = {"in_flight": 0, "draining": False, "suspect": False, "external": 0}
     assert load == {"s0": {"runs": 3, **idle}, "s1": {"runs": 3, **idle}}
     assert calls == [2] * 6
     loaded = load_store(tmp_path)
@@ -251,7 +269,8 @@ def test_an_unmodified_openai_client_is_all_an_agent_needs(engines, tmp_path):
     import openai
 
     async def fn(gw, http, base):
-        client = openai.AsyncOpenAI(base_url=f"{base}/runs/oa-1/v1", api_key=KEY, max_retries=0)
+        client = openai.AsyncOpenAI(base_url=f"{base}/runs/oa-1/v1", api_key=key_of(gw, "oa-1"),
+                                    max_retries=0)
         reply = await client.chat.completions.create(model="gyre-policy", messages=HELLO,
                                                      max_tokens=6, logprobs=True)
         models = await client.models.list()

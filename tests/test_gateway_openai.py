@@ -7,7 +7,7 @@ import json
 import openai
 import pytest
 from engine_helpers import tiny_engines
-from test_gateway import HELLO, HOST, KEY, records, run_gateway
+from test_gateway import HELLO, HOST, key_of, records, run_gateway
 
 from gyre_slurm.engines import EngineClient
 from gyre_slurm.models import tiny
@@ -21,8 +21,9 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city"]}}}
 
 
-def client(base, run_id):
-    return openai.AsyncOpenAI(base_url=f"{base}/runs/{run_id}/v1", api_key=KEY, max_retries=0)
+def client(gw, base, run_id):
+    return openai.AsyncOpenAI(base_url=f"{base}/runs/{run_id}/v1", api_key=key_of(gw, run_id),
+                              max_retries=0)
 
 
 def gyre(obj):
@@ -47,7 +48,7 @@ def text_of(tok, ids):
 
 def test_streaming_chat_and_completions(engines, tok, tmp_path):
     async def go(gw, http, base):
-        c = client(base, "s1")
+        c = client(gw, base, "s1")
         kw = dict(model=MODEL, messages=HELLO, max_tokens=12, temperature=0, logprobs=True)
         stream = await c.chat.completions.create(**kw, stream=True,
                                                  stream_options={"include_usage": True})
@@ -99,7 +100,7 @@ def test_n_choices_are_separate_calls(engines, tok, tmp_path):
     stop_ids = [tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id]
 
     async def go(gw, http, base):
-        c = client(base, "n1")
+        c = client(gw, base, "n1")
         many = await c.chat.completions.create(model=MODEL, messages=HELLO, n=3, seed=5,
                                                temperature=1.0, max_tokens=6, logprobs=True)
         stream = await c.chat.completions.create(model=MODEL, messages=HELLO, n=2,
@@ -133,7 +134,7 @@ def test_n_choices_are_separate_calls(engines, tok, tmp_path):
 
 def test_stop_string_cuts_text_and_recorded_ids(engines, tok, tmp_path):
     async def go(gw, http, base):
-        c = client(base, "st")
+        c = client(gw, base, "st")
         kw = dict(model=MODEL, messages=HELLO, max_tokens=16, temperature=0)
         first = await c.chat.completions.create(**kw)
         text = first.choices[0].message.content
@@ -166,7 +167,7 @@ def test_tools_round_trip(engines, tok, tmp_path):
                      {"role": "tool", "tool_call_id": "call_abc", "content": "sunny"}]
 
     async def go(gw, http, base):
-        c = client(base, "t1")
+        c = client(gw, base, "t1")
         first = await c.chat.completions.create(model=MODEL, messages=sent, tools=[WEATHER],
                                                 tool_choice="auto", max_tokens=8)
         second = await c.chat.completions.create(
@@ -209,7 +210,7 @@ def _chain_tokens(recs):
 
 def test_resent_history_is_token_exact_one_chain(engines, tok, tmp_path):
     async def go(gw, http, base):
-        c = client(base, "chain")
+        c = client(gw, base, "chain")
         messages = list(HELLO)
         for turn in range(4):
             reply = await c.chat.completions.create(model=MODEL, messages=messages,
@@ -281,7 +282,7 @@ def test_tool_calls_answered_and_resent_token_exact(engines, tok, tmp_path):
         url = await engine.start()
         gw.add_server("scripted", EngineClient(url, "unused"), capacity=4)
         gw.drain_server("s0")
-        c = client(base, "tc")
+        c = client(gw, base, "tc")
         messages = [{"role": "user", "content": "weather in Paris?"}]
         kw = dict(model=MODEL, tools=[WEATHER], max_tokens=64)
         first = await c.chat.completions.create(messages=messages, **kw)

@@ -125,15 +125,56 @@ def test_request_errors():
              ({"stream_options": 1}, "stream_options"), ({"echo": True}, "echo")]
     for body, word in cases:
         with pytest.raises(oai.RequestError, match=word):
-            oai.parse_sampling(body, default_max_tokens=4, chat=True)
+            oai.parse_sampling(body, chat=True)
     s = oai.parse_sampling({"stop": "x", "n": 3, "stream": True, "top_logprobs": 2,
-                            "stream_options": {"include_usage": True}},
-                           default_max_tokens=4, chat=True)
+                            "stream_options": {"include_usage": True}}, chat=True)
     assert (s.stop, s.n, s.stream, s.include_usage) == (("x",), 3, True, True)
+    assert s.max_tokens is None  # named none: the gateway gives the context's room
     with pytest.raises(oai.RequestError, match="role"):
         oai.parse_messages({"messages": [{"role": "robot", "content": "x"}]})
     with pytest.raises(oai.RequestError, match="tool_calls"):
         oai.parse_messages({"messages": [{"role": "assistant", "tool_calls": [{"x": 1}]}]})
+
+
+# Every sampling field's range, with hostile values: each a RequestError (a 400), never
+# an exception of another kind (a 500) or a value that reaches the engine unchecked.
+BAD_SAMPLING = [
+    ("temperature", v) for v in (-1, -1e-300, 10 ** 400, 1e7, "hot", True, [1], {"a": 1})
+] + [
+    ("max_tokens", v) for v in (-1, 1.5, "5", True, 10 ** 400 * 1.0 if False else -10 ** 30)
+] + [
+    ("top_p", v) for v in (0, -0.1, 1.5, 10 ** 400, "x", False)
+] + [
+    ("min_p", v) for v in (-0.5, 2, "x")
+] + [
+    (name, v) for name in ("presence_penalty", "frequency_penalty") for v in (2.5, -3, 10 ** 400)
+] + [
+    ("repetition_penalty", v) for v in (0, -1, 10 ** 400)
+] + [
+    ("top_k", v) for v in (-2, 1.5, "3", True)
+] + [
+    ("logit_bias", v) for v in ([1], {"x": 1}, {"5": 101}, {"5": "high"}, {"5": 10 ** 400},
+                                {"-1": 1}, {str(i): 1 for i in range(1100)})
+] + [
+    ("seed", v) for v in (2 ** 64, -2 ** 64, 1.0, "7")
+] + [("n", v) for v in (17, 0, 1.0, True, 10 ** 400)]
+
+
+@pytest.mark.parametrize("name, value", BAD_SAMPLING)
+def test_sampling_ranges_are_request_errors(name, value):
+    for chat in (True, False):
+        with pytest.raises(oai.RequestError, match=name):
+            oai.parse_sampling({name: value}, chat=chat)
+
+
+@pytest.mark.parametrize("body, temperature", [
+    ({"temperature": 1e-38}, 1e-38), ({"temperature": 5e-324}, 5e-324),
+    ({"temperature": 0}, 0.0), ({"temperature": 2}, 2.0), ({}, 1.0),
+    ({"temperature": 1e6, "top_p": 1, "min_p": 0, "presence_penalty": -2, "top_k": -1,
+      "logit_bias": {"5": -100, "7": 100.0}, "repetition_penalty": 1.2}, 1e6),
+])
+def test_sampling_values_in_range_are_taken(body, temperature):
+    assert oai.parse_sampling(body, chat=True).temperature == temperature
 
 
 # -- text pieces and stop strings ----------------------------------------------------

@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 HOST = "127.0.0.1"
-KEY = "bench-key"
+KEY = "bench-key-external-clients"  # the external key: the bench's runs are external
 _SLOT = contextvars.ContextVar("bench_slot", default=None)
 WORDS = ("the quick brown fox jumps over the lazy dog agent tool call result file test pass "
          "fail error run build repo answer yes no red green blue").split()
@@ -337,13 +337,13 @@ async def run_client_procs(args, url: str, control_url: str, deadline_wall: floa
 async def drain_later(gw, at_s: float, out: dict) -> None:
     await asyncio.sleep(at_s)
     out["rss_held_mib"] = rss_mib()
-    out["active_at_drain"] = sum(s["runs"] for s in gw.server_load().values())
-    out["s0_runs_at_drain"] = gw.server_load()["s0"]["runs"]
+    out["active_at_drain"] = sum(s["external"] for s in gw.server_load().values())
+    out["s0_runs_at_drain"] = gw.server_load()["s0"]["external"]
     gw.drain_server("s0")
     t0 = time.monotonic()
     while True:
         load = gw.server_load()["s0"]
-        if load["runs"] == 0 and load["in_flight"] == 0:
+        if load["external"] == 0 and load["in_flight"] == 0:
             gw.remove_server("s0")
             out["drain_empty_s"] = time.monotonic() - t0
             return
@@ -352,11 +352,16 @@ async def drain_later(gw, at_s: float, out: dict) -> None:
 
 async def bench(args, tmp: Path, model_dir: Path, ports: list[int]) -> dict:
     from gyre_slurm.gateway import Gateway
+    from gyre_slurm.gateway.runs import ExternalPolicy
     from gyre_slurm.traj.store import CallStoreWriter
 
     st = Stats()
     writer = CallStoreWriter(tmp / "run", "gateway")
-    gw = Gateway(model_dir=model_dir, call_writer=writer, api_key=KEY,
+    # The bench's clients are external runs (ids "r..."; "rwarm" to warm up), ended by
+    # the bench's control route as the coordinator ends the job's runs.
+    policy = ExternalPolicy(key=KEY, prefix="r", max_runs=args.runs + 8,
+                            idle_timeout_s=3600, max_run_s=3600)
+    gw = Gateway(model_dir=model_dir, call_writer=writer, external=policy,
                  default_max_tokens=args.output_tokens, wait_for_server_s=30)
     instrument_handler(gw, st.handler_s, st.engine_s)
     client_cls = timed_engine_client()
@@ -370,10 +375,10 @@ async def bench(args, tmp: Path, model_dir: Path, ports: list[int]) -> dict:
     out: dict = {}
     async with session() as http:
         for i in range(20):  # warm: tokenizer, connections, code paths
-            async with http.post(f"{url}/runs/warm/v1/chat/completions", json={
+            async with http.post(f"{url}/runs/rwarm/v1/chat/completions", json={
                     "messages": [{"role": "user", "content": "hi"}], "seed": -1 - i}) as r:
                 assert r.status == 200, await r.text()
-        gw.end_run("warm")
+        gw.end_run("rwarm")
         if args.gc_freeze:  # as the coordinator does once its services are up
             from gyre_slurm.runtime.gcpolicy import freeze_startup_heap
 
@@ -424,7 +429,7 @@ def report(args, out: dict, run_dir: Path) -> dict:
 
     st: Stats = out["stats"]
     loaded = load_store(run_dir)
-    stored = sum(len(v) for rid, v in loaded.runs.items() if rid != "warm")
+    stored = sum(len(v) for rid, v in loaded.runs.items() if rid != "rwarm")
     paired = [s for s in st.latency_s if s in st.engine_s]
     overhead = [(st.latency_s[s] - st.engine_s[s]) * 1e3 for s in paired]
     code = [(st.handler_s[s] - st.engine_s[s]) * 1e3 for s in paired]

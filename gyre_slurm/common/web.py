@@ -32,12 +32,14 @@ IDLE_TIMEOUT_S = 75.0  # above the clients' own idle expiry (aiohttp 15 s), so n
 
 
 def auth_middleware(secret: str):
-    """Refuse (401) any request without `Authorization: Bearer <secret>`."""
+    """Refuse (401) any request without `Authorization: Bearer <secret>`. The header is
+    compared as the bytes sent (aiohttp keeps non-UTF-8 bytes as surrogate escapes): a
+    non-UTF-8 header is a wrong key, never a server error."""
     expected = f"Bearer {secret}".encode()
 
     @web.middleware
     async def check(request: web.Request, handler):
-        got = request.headers.get("Authorization", "").encode()
+        got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(got, expected):
             return web.json_response(
                 {"error": "missing or wrong 'Authorization: Bearer <run secret>'"}, status=401)

@@ -1,8 +1,8 @@
 """The config schema: frozen dataclasses, one per section of the YAML file.
 
 A config file (and a simulator preset, which is the same thing) has the sections
-`cluster`, `scheduler`, `workload`, `rollout`, `training`, `handoff`, `sim`, `runtime`
-and `trainer`. Every
+`cluster`, `scheduler`, `workload`, `rollout`, `training`, `handoff`, `sim`, `runtime`,
+`trainer` and `gateway` (`config.agents`). Every
 field has a default; a file names only what it changes. Units are in the names
 (`_s` seconds, `_tokens`, `num_` counts). Checks that span fields live in
 `GyreConfig.__post_init__` and say which key to change.
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from gyre_slurm.config.agents import GatewayConfig
 from gyre_slurm.config.loader import FieldError, apply_overrides, from_dict, load_yaml_file
 from gyre_slurm.config.phases import PhaseConfig, check_phases
 from gyre_slurm.errors import ConfigError
@@ -416,6 +417,7 @@ class GyreConfig:
     sim: SimConfig = field(default_factory=SimConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
 
     def __post_init__(self) -> None:
         if not NAME.fullmatch(self.name):

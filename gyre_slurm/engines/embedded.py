@@ -9,7 +9,8 @@ Binds only to the given loopback address (port 0: a free one). Once serving it w
 carry `Authorization: Bearer <secret>` (the secret file's content, stripped), else 401.
 Requests and answers are JSON:
 
-    GET  /health        -> {"status": "ok"|"released", "policy_version": V, "active": n}
+    GET  /health        -> {"status": "ok"|"released", "policy_version": V, "active": n,
+                            "cancelled": generations cancelled by their client leaving}
     POST /generate      {"prompt_ids", "max_tokens", "temperature"=1.0,
                          "stop_token_ids"=[], "seed"=null}
                         -> {"output_ids", "output_logprobs", "finish_reason":
@@ -21,6 +22,8 @@ Requests and answers are JSON:
     GET  /v1/models     -> {"object": "list", "data": [{"id": NAME, ...}]}
 
 Errors are `{"error": message}` with 400 (bad request), 401, 503 (released) or 500.
+A client that disconnects during /generate cancels it: the sampler stops at the next
+token (or drops it if still queued).
 SIGTERM/SIGINT stop the server cleanly; so does the exit of `--parent-pid` (checked every
 second), so that an engine never outlives the process that launched it.
 
@@ -38,6 +41,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -123,7 +127,7 @@ async def health(request: web.Request) -> web.Response:
     sampler, state = request.app[SAMPLER], request.app[STATE]
     return web.json_response({"status": "ok" if sampler.loaded else "released",
                               "policy_version": sampler.version,
-                              "active": state["active"]})
+                              "active": state["active"], "cancelled": state["cancelled"]})
 
 
 async def generate(request: web.Request) -> web.Response:
@@ -133,8 +137,15 @@ async def generate(request: web.Request) -> web.Response:
     if not sampler.loaded:
         raise Released("the model is released; POST /resume first")
     state["active"] += 1
+    cancel = threading.Event()
+    job = sampler.generate(req, cancel)
     try:
-        return web.json_response(await asyncio.wrap_future(sampler.generate(req)))
+        return web.json_response(await asyncio.wrap_future(job))
+    except asyncio.CancelledError:  # the client left (handler_cancellation)
+        cancel.set()
+        job.cancel()
+        state["cancelled"] += 1
+        raise
     finally:
         state["active"] -= 1
 
@@ -169,7 +180,8 @@ def make_app(sampler: Sampler, *, secret: str, model_name: str) -> web.Applicati
     app = web.Application(middlewares=[auth_middleware(secret), _errors_middleware],
                           client_max_size=MAX_BODY_BYTES)
     app[SAMPLER] = sampler
-    app[STATE] = {"active": 0, "model_name": model_name, "created": int(time.time())}
+    app[STATE] = {"active": 0, "cancelled": 0, "model_name": model_name,
+                  "created": int(time.time())}
     app.add_routes([web.get("/health", health), web.post("/generate", generate),
                     web.post("/load_weights", load_weights), web.post("/release", release),
                     web.post("/resume", resume), web.get("/v1/models", models)])
@@ -194,7 +206,7 @@ async def serve(args: argparse.Namespace) -> None:
     sampler = Sampler(args.model_dir)
     await asyncio.wrap_future(sampler.load(Path(args.weights), args.version))
     runner = web.AppRunner(make_app(sampler, secret=secret, model_name=args.model_name),
-                           access_log=None)
+                           access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()

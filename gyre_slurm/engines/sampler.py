@@ -9,9 +9,12 @@ Sampling: token t is drawn from softmax(logits / T) with `torch.multinomial` (a
 per-request `torch.Generator`, seeded by the request's `seed` when given), or argmax for
 T = 0. `output_logprobs[i]` is log softmax(logits / T)[output_ids[i]] in float32 for
 T > 0; for T = 0 (greedy, a point mass) it is log softmax(logits)[output_ids[i]], i.e.
-the T = 1 distribution. A stop token ends generation and IS part of `output_ids`
-(finish_reason "stop"); otherwise generation ends after `max_tokens` tokens or at the
-model's maximum positions (finish_reason "length").
+the T = 1 distribution. A temperature under `MIN_TEMPERATURE` (1e-5, vLLM's
+threshold) is greedy too: dividing logits by a denormal overflows. A stop token ends
+generation and IS part of `output_ids` (finish_reason "stop"); otherwise generation
+ends after `max_tokens` tokens or at the model's maximum positions (finish_reason
+"length"). A generation whose `cancel` event is set (its client left) stops at the next
+token and raises `Cancelled`; one still queued is dropped.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import concurrent.futures
 import inspect
 import logging
 import random
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +32,9 @@ from gyre_slurm.models import tiny
 
 log = logging.getLogger(__name__)
 
+MIN_TEMPERATURE = 1e-5  # below: greedy (vLLM's _SAMPLING_EPS)
+MAX_TEMPERATURE = 1e6  # above, softmax(logits / T) is uniform to float32 anyway
+
 
 class BadRequest(ValueError):
     """The request cannot be served as given (the HTTP layer answers 400)."""
@@ -35,6 +42,10 @@ class BadRequest(ValueError):
 
 class Released(RuntimeError):
     """The model has been released (the HTTP layer answers 503)."""
+
+
+class Cancelled(RuntimeError):
+    """The generation was cancelled (its client left)."""
 
 
 @dataclass(frozen=True)
@@ -65,15 +76,16 @@ def parse_generate(body: Any, *, vocab_size: int, max_positions: int) -> GenRequ
         raise BadRequest(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
     temperature = body.get("temperature", 1.0)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not 0 <= temperature < float("inf"):
-        raise BadRequest(f"temperature must be a finite number >= 0, got {temperature!r}")
+            or not 0 <= temperature <= MAX_TEMPERATURE:
+        raise BadRequest(f"temperature must be a number from 0 to {MAX_TEMPERATURE:g}, "
+                         f"got {temperature!r:.40}")
     stop = body.get("stop_token_ids") or []
     if not isinstance(stop, list):
         raise BadRequest("stop_token_ids must be a list of token ids")
     _check_ids(stop, "stop_token_ids", vocab_size)
     seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise BadRequest(f"seed must be an integer, got {seed!r}")
+    if seed is not None and (not _is_int(seed) or not -(1 << 63) <= seed < (1 << 64)):
+        raise BadRequest(f"seed must be a 64-bit integer, got {seed!r:.40}")
     return GenRequest(list(ids), max_tokens, float(temperature), frozenset(stop), seed)
 
 
@@ -114,8 +126,9 @@ class Sampler:
     def release(self) -> concurrent.futures.Future:
         return self._pool.submit(self._release)
 
-    def generate(self, req: GenRequest) -> concurrent.futures.Future:
-        return self._pool.submit(self._generate, req)
+    def generate(self, req: GenRequest, cancel: threading.Event | None = None
+                 ) -> concurrent.futures.Future:
+        return self._pool.submit(self._generate, req, cancel or threading.Event())
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -136,9 +149,11 @@ class Sampler:
         gc.collect()
         log.info("model released")
 
-    def _generate(self, req: GenRequest) -> dict[str, Any]:
+    def _generate(self, req: GenRequest, cancel: threading.Event) -> dict[str, Any]:
         import torch
 
+        if cancel.is_set():
+            raise Cancelled("cancelled before it started")
         model, version = self.model, self.version
         if model is None:
             raise Released("the model is released; POST /resume first")
@@ -151,6 +166,8 @@ class Sampler:
         with torch.inference_mode():
             logits, cache = _forward(model, req.prompt_ids, None)
             while len(out_ids) < budget:
+                if cancel.is_set():
+                    raise Cancelled(f"cancelled after {len(out_ids)} tokens")
                 tok, lp = _sample(logits, req.temperature, gen)
                 out_ids.append(tok)
                 out_lps.append(lp)
@@ -193,7 +210,7 @@ def _forward(model, ids: list[int], cache):
 def _sample(logits, temperature: float, gen) -> tuple[int, float]:
     import torch
 
-    if temperature == 0:
+    if temperature < MIN_TEMPERATURE:
         logp = torch.log_softmax(logits, dim=-1)
         tok = int(torch.argmax(logp))
     else:

@@ -3,26 +3,29 @@
 It lives in the coordinator process: an aiohttp app started and controlled from the
 coordinator's event loop.
 
-    gateway = Gateway(model_dir=..., call_writer=CallStoreWriter(run_dir, "gateway"),
-                      api_key=KEY)
+    gateway = Gateway(model_dir=..., call_writer=CallStoreWriter(run_dir, "gateway"))
     port = await gateway.start("127.0.0.1", 0)
     gateway.add_server("cell0", EngineClient(url, secret), capacity=32)
+    key = gateway.open_run("s0000-p000-g00")       # the run's own key, until end_run
 
 An agent run `<run_id>` uses an unmodified OpenAI client with
-`base_url=http://HOST:PORT/runs/<run_id>/v1` and `api_key=KEY`:
+`base_url=http://HOST:PORT/runs/<run_id>/v1` and `api_key=` its run's key:
 
     POST /runs/{run_id}/v1/chat/completions   messages -> chat template -> token ids
     POST /runs/{run_id}/v1/completions        prompt: a string or a list of token ids
-    GET  /runs/{run_id}/v1/models, GET /v1/models
+    GET  /runs/{run_id}/v1/models
+    POST /runs/{run_id}/end                   an external run is done (`gateway.runs`)
 
-Requests need `Authorization: Bearer KEY` (else 401). Answers have the OpenAI shape
-plus a `gyre` object {run_id, call, server, policy_version, calls (one call number per
+Requests need `Authorization: Bearer <the run's key>` (else 401): a key opens its own
+run's URL only, while the run lives; the job secret opens nothing here (`gateway.app`).
+Answers have the OpenAI shape plus a `gyre` object {run_id, call, server, policy_version, calls (one call number per
 choice)}; request fields: see `gateway.openai`. Output text is decoded with special
 tokens skipped; generation stops at `<|im_end|>` or eos, and that stop token is part of
 the recorded output ids. Errors: `{"error": {message, type, code}}` with 400 (malformed
 JSON or fields, n over 16, prompt too long, ...), 401, 404, 413 (body over 4 MiB), 502
 (the engine failed; the message names the server), 503 (no server within
-`wait_for_server_s`).
+`wait_for_server_s`); also 409 (a call to a run that ended meanwhile, or an ended
+external run) and 429 (too many external runs).
 
 - Streaming (`stream: true`): Server-Sent Events in OpenAI's chunk format (chat: a
   role chunk, one content chunk per token, or with tool calls one content chunk and one
@@ -68,7 +71,8 @@ Routing (`gateway.router`): a run keeps its server until that server drains; a n
 migrating run goes to the non-draining server with the fewest runs (ties: lowest id).
 Coordinator controls: `add_server(server_id, client, capacity)`, `drain_server(id)`,
 `remove_server(id)` (after draining, with no call in flight), `server_load()`,
-`end_run(run_id)`, `calls_of(run_id)`. The engine clients stay the coordinator's: the
+`open_run(run_id) -> key`, `end_run(run_id)` (revokes the key, frees the run's state),
+`calls_of(run_id)`, `run_stats()`. The engine clients stay the coordinator's: the
 gateway never closes them.
 """
 

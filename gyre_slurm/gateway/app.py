@@ -5,23 +5,32 @@ A request: parse -> render (`tools`) -> prompt token ids (`history`) -> `Router.
 strings, parse tool calls (`text`, `tools`) -> append the call records -> remember the
 turns (`history`) -> answer (JSON, or a whole event stream).
 
-Access: every route needs `Authorization: Bearer <run secret>` (401 otherwise), the
-models list included: none is left open, because only the run's own agents (which hold
-the key) have any business here, and the coordinator watches the gateway in-process,
-so no health route is needed. The gateway binds one node's own address (a wildcard is
-refused). A body is read through `common.web.read_json_object`: 415 unless JSON,
-413 over `MAX_BODY_BYTES`, 408 if it does not arrive within `body_timeout_s`, 400 for
-bytes that are not UTF-8 or JSON (NaN, Infinity, deep nesting included); field checks
-(`gateway.openai`) answer 400, and so does a prompt whose `max_tokens` would run past the
-model's context. An idle or half-sent connection (request line and headers never
-finished) is closed after `idle_timeout_s`. Nothing is unpickled: JSON only. An
-unexpected failure answers 500 and the gateway keeps serving.
+Access (`gateway.runs`): every route is a run's (`/runs/<run_id>/...`) and needs that
+run's own key: `open_run` gives a run started by the coordinator a fresh key, valid on
+its own URL only, revoked by `end_run`; the job secret opens nothing here, and a route
+outside a run answers 401. With an `ExternalPolicy` (the config's external mode), the
+external key registers and opens runs whose ids carry the external prefix; they time
+out, end (`POST /runs/<id>/end`) and are freed, and their calls go to
+`external_writer` (never the job's call store, so never trained). The Authorization
+header is compared as raw bytes (a non-UTF-8 one is just a wrong key: 401). The
+gateway binds one node's own address (a wildcard is refused). A body is read through
+`common.web.read_json_object`: 415 unless JSON, 413 over `MAX_BODY_BYTES`, 408 if
+it does not arrive within `body_timeout_s`, 400 for bytes that are not UTF-8 or JSON
+(NaN, Infinity, deep nesting included); field checks (`gateway.openai`) answer 400, and
+so does a prompt whose `max_tokens` would run past the model's context. An idle or
+half-sent connection (request line and headers never finished) is closed after
+`idle_timeout_s`. Nothing is unpickled: JSON only. An unexpected failure answers 500 and
+the gateway keeps serving.
+
+A client that disconnects cancels its request: the engine calls are cancelled (the
+engines stop those generations) and nothing is recorded, so an answer nobody received
+is never trained; likewise a call that finishes after its run ended is not recorded.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import dataclasses
 import json
 import logging
 import re
@@ -38,6 +47,7 @@ from gyre_slurm.engines.embedded import check_loopback
 from gyre_slurm.gateway import openai, tools
 from gyre_slurm.gateway.history import Anchor, History, Served, turn_anchor
 from gyre_slurm.gateway.router import NoServer, Router
+from gyre_slurm.gateway.runs import ExternalPolicy, Refused, RunRegistry, RunState
 from gyre_slurm.gateway.text import cut_at_stop, token_pieces
 from gyre_slurm.models import tiny
 
@@ -45,6 +55,8 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 << 20
 RUN_ID = re.compile(r"^[A-Za-z0-9_.:@+-]{1,200}$")
+RUN_PATH = re.compile(r"^/runs/([^/]+)/")
+RUN = web.RequestKey("run", RunState)  # the run a request was admitted to
 
 
 class HttpError(Exception):
@@ -56,12 +68,13 @@ class HttpError(Exception):
 class Gateway:
     """OpenAI-compatible front of the rollout servers (see the package docstring)."""
 
-    def __init__(self, *, model_dir: Path, call_writer, api_key: str,
-                 model_name: str = "gyre-policy", default_max_tokens: int = 64,
-                 wait_for_server_s: float = 60.0, history_calls_per_run: int = 16,
-                 body_timeout_s: float = BODY_TIMEOUT_S, idle_timeout_s: float = IDLE_TIMEOUT_S):
-        if not api_key:
-            raise ValueError("the gateway needs a non-empty api_key")
+    def __init__(self, *, model_dir: Path, call_writer, external: ExternalPolicy | None = None,
+                 external_writer=None, model_name: str = "gyre-policy",
+                 default_max_tokens: int | None = None, wait_for_server_s: float = 60.0,
+                 history_calls_per_run: int = 16, body_timeout_s: float = BODY_TIMEOUT_S,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S):
+        """`default_max_tokens`: for a request that names none, at most this many (None:
+        the room left in the model's context, as OpenAI and vLLM do)."""
         self.tokenizer = tiny.load_tokenizer(model_dir)
         self.vocab_size = len(self.tokenizer)
         config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -72,14 +85,16 @@ class Gateway:
         self.end_texts = self.tokenizer.convert_ids_to_tokens(self.stop_token_ids)
         self.history = History(calls_per_run=history_calls_per_run)
         self.call_writer = call_writer
+        self.external_writer = external_writer if external_writer is not None else call_writer
+        self.runs = RunRegistry(external)
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.wait_for_server_s = wait_for_server_s
         self.router = Router()
-        self._expected_auth = f"Bearer {api_key}".encode()
         self._calls: dict[str, int] = {}
         self._created = int(time.time())
         self._runner: web.AppRunner | None = None
+        self._reaper: asyncio.Task | None = None
 
     # -- control by the coordinator (same event loop) --------------------------------
     def add_server(self, server_id: str, client: EngineClient, capacity: int) -> None:
@@ -98,12 +113,28 @@ class Gateway:
     def server_load(self) -> dict[str, dict[str, Any]]:
         return self.router.load()
 
+    def open_run(self, run_id: str) -> str:
+        """A run of the job starts: its own key (valid on its URL until `end_run`)."""
+        if not RUN_ID.match(run_id):
+            raise ValueError(f"run id {run_id!r}: use 1-200 of A-Z a-z 0-9 _ . : @ + -")
+        return self.runs.open(run_id, now=time.monotonic())
+
     def end_run(self, run_id: str) -> None:
+        """The run is over: its key is revoked and everything kept for it is freed."""
+        state = self.runs.end(run_id)
         self.router.end_run(run_id)
         self.history.forget(run_id)
-        self.call_writer.forget(run_id)
+        self._calls.pop(run_id, None)
+        writer = self.external_writer if state is not None and state.external \
+            else self.call_writer
+        writer.forget(run_id)
+
+    def run_stats(self) -> dict[str, int]:
+        """Live job and external runs, ended external ids remembered, runs with history."""
+        return {**self.runs.stats(), "history_runs": self.history.stats()["runs"]}
 
     def calls_of(self, run_id: str) -> int:
+        """Calls recorded for a live run (0 once it ended: nothing is kept)."""
         return self._calls.get(run_id, 0)
 
     async def start(self, host: str, port: int) -> int:
@@ -113,27 +144,57 @@ class Gateway:
             web.post("/runs/{run_id}/v1/chat/completions", self._chat),
             web.post("/runs/{run_id}/v1/completions", self._completions),
             web.get("/runs/{run_id}/v1/models", self._models),
-            web.get("/v1/models", self._models)])
-        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.idle_timeout_s)
+            web.post("/runs/{run_id}/end", self._end)])
+        # handler_cancellation: a client that disconnects cancels its handler, and so
+        # its engine calls (the engines stop those generations)
+        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.idle_timeout_s,
+                                     handler_cancellation=True)
         await self._runner.setup()
         await web.TCPSite(self._runner, host, port).start()
         bound = self._runner.addresses[0][1]
         log.info("gateway serving at http://%s:%d/runs/<run_id>/v1", host, bound)
+        if self.runs.external is not None:
+            self._reaper = asyncio.create_task(self._reap_external())
         return bound
 
+    async def _reap_external(self) -> None:
+        ext = self.runs.external
+        every = max(0.05, min(5.0, ext.idle_timeout_s / 4, ext.max_run_s / 4))
+        while True:
+            await asyncio.sleep(every)
+            for run_id in self.runs.expired(time.monotonic()):
+                log.info("external run %s ended (idle or past its time)", run_id)
+                self.end_run(run_id)
+
     async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
 
     # -- HTTP -------------------------------------------------------------------------
+    def _admit(self, request: web.Request) -> RunState:
+        """The run whose key the request carries, for the run of its URL; else 401/409/429."""
+        m = RUN_PATH.match(request.path)  # the run of the path (404/405 come after auth)
+        run_id = m[1] if m else None
+        if run_id is None:  # no run's route: no key opens it
+            raise HttpError(401, "no run in the path: use /runs/<run_id>/v1 with the run's "
+                            "key", "authentication_error")
+        if not RUN_ID.match(run_id):
+            raise HttpError(400, f"run id {run_id!r}: use 1-200 of A-Z a-z 0-9 _ . : @ + -")
+        auth = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        try:
+            return self.runs.admit(run_id, auth, now=time.monotonic())
+        except Refused as exc:
+            kind = "authentication_error" if exc.status == 401 else "invalid_request_error"
+            raise HttpError(exc.status, str(exc), kind) from None
+
     @web.middleware
     async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
-        got = request.headers.get("Authorization", "").encode()
         try:
-            if not hmac.compare_digest(got, self._expected_auth):
-                raise HttpError(401, "missing or wrong API key ('Authorization: Bearer "
-                                "<key>')", "authentication_error")
+            request[RUN] = self._admit(request)
             return await handler(request)
         except HttpError as exc:
             status, message, kind = exc.status, exc.message, exc.kind
@@ -149,8 +210,6 @@ class Gateway:
 
     async def _body(self, request: web.Request) -> tuple[str, dict[str, Any]]:
         run_id = request.match_info["run_id"]
-        if not RUN_ID.match(run_id):
-            raise HttpError(400, f"run id {run_id!r}: use 1-200 of A-Z a-z 0-9 _ . : @ + -")
         try:
             body = await read_json_object(request, timeout_s=self.body_timeout_s,
                                           max_bytes=MAX_BODY_BYTES)
@@ -158,20 +217,43 @@ class Gateway:
             raise HttpError(exc.status, str(exc)) from None
         return run_id, body
 
-    def _check_room(self, prompt_ids: list[int], max_tokens: int) -> None:
+    def _room(self, prompt_ids: list[int], sampling: openai.Sampling) -> openai.Sampling:
+        """`sampling` with its max_tokens resolved: a request that names none gets the
+        room left in the context (at most `default_max_tokens`); 400 when it does not fit."""
+        room = self.max_context - len(prompt_ids)
+        max_tokens = sampling.max_tokens
+        if max_tokens is None:
+            if room < 1:
+                raise HttpError(400, f"the prompt's {len(prompt_ids)} tokens fill the model's "
+                                f"{self.max_context} positions; shorten the prompt")
+            max_tokens = room if self.default_max_tokens is None \
+                else min(room, self.default_max_tokens)
+            return dataclasses.replace(sampling, max_tokens=max_tokens)
         if len(prompt_ids) + max_tokens > self.max_context:
             raise HttpError(400, f"max_tokens {max_tokens} + the prompt's {len(prompt_ids)} "
                             f"tokens exceed the model's {self.max_context} positions; lower "
                             f"max_tokens or shorten the prompt")
+        return sampling
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(openai.models_response(self.model_name, self._created))
 
+    async def _end(self, request: web.Request) -> web.Response:
+        """An external run says it is done (a job run ends when the coordinator says)."""
+        state: RunState = request[RUN]
+        if not state.external:
+            raise HttpError(403, "a job run ends when its agent ends; only external runs "
+                            "end themselves")
+        state.ending = True
+        calls = self.calls_of(state.run_id)
+        if state.in_flight == 0:
+            self.end_run(state.run_id)
+        return web.json_response({"run_id": state.run_id, "ended": True, "calls": calls})
+
     async def _chat(self, request: web.Request) -> web.Response:
         run_id, body = await self._body(request)
         try:
-            sampling = openai.parse_sampling(body, default_max_tokens=self.default_max_tokens,
-                                             chat=True)
+            sampling = openai.parse_sampling(body, chat=True)
             spec = tools.parse_tools(body)
             rendered = tools.render_messages(openai.parse_messages(body), spec,
                                              lambda key: self.history.said(run_id, key))
@@ -179,8 +261,8 @@ class Gateway:
         except openai.RequestError as exc:
             raise HttpError(400, str(exc)) from None
         prompt, prompt_ids, _ = self.history.prompt(run_id, prompt_text, self._encode)
-        self._check_room(prompt_ids, sampling.max_tokens)
-        choices = await self._generate(run_id, prompt_ids, sampling, spec)
+        sampling = self._room(prompt_ids, sampling)
+        choices = await self._generate(request, prompt_ids, sampling, spec)
         for c in choices:
             try:
                 full = self._render(rendered + [{"role": "assistant", "content": c.text}],
@@ -198,8 +280,7 @@ class Gateway:
     async def _completions(self, request: web.Request) -> web.Response:
         run_id, body = await self._body(request)
         try:
-            sampling = openai.parse_sampling(body, default_max_tokens=self.default_max_tokens,
-                                             chat=False)
+            sampling = openai.parse_sampling(body, chat=False)
             prompt = openai.parse_prompt(body, self.vocab_size)
         except openai.RequestError as exc:
             raise HttpError(400, str(exc)) from None
@@ -208,8 +289,8 @@ class Gateway:
             anchor, prompt_ids, _ = self.history.prompt(run_id, prompt, self._encode)
         else:
             prompt_ids = prompt
-        self._check_room(prompt_ids, sampling.max_tokens)
-        choices = await self._generate(run_id, prompt_ids, sampling, tools.NO_TOOLS)
+        sampling = self._room(prompt_ids, sampling)
+        choices = await self._generate(request, prompt_ids, sampling, tools.NO_TOOLS)
         if anchor is not None:
             for c in choices:
                 self._remember(run_id, c, anchor, prompt + c.text, {})
@@ -242,23 +323,57 @@ class Gateway:
                            stop_ids=self.stop_token_ids, encode=self._encode)
         self.history.add(run_id, Served(c.gyre["call"], prompt, turn, said))
 
-    async def _generate(self, run_id: str, prompt_ids: list[int], sampling: openai.Sampling,
-                        spec: tools.ToolSpec) -> list[openai.Choice]:
+    async def _generate(self, request: web.Request, prompt_ids: list[int],
+                        sampling: openai.Sampling, spec: tools.ToolSpec) -> list[openai.Choice]:
         """`n` generations on the run's server, answered and recorded (consecutive call
         numbers, in choice order); any failure fails the request and records nothing."""
-        n = sampling.n
+        run: RunState = request[RUN]
+        run.in_flight += 1
+        run.t_last = time.monotonic()
         try:
-            server = await self.router.acquire(run_id, wait_s=self.wait_for_server_s, num=n)
+            results, server = await self._results(run, prompt_ids, sampling)
+        finally:
+            run.in_flight -= 1
+            run.t_last = time.monotonic()
+        if self.runs.runs.get(run.run_id) is not run:
+            raise HttpError(409, f"run {run.run_id!r} ended while this call ran: not recorded")
+        if request.transport is None or request.transport.is_closing():
+            raise asyncio.CancelledError()  # the client left: record nothing
+        writer = self.external_writer if run.external else self.call_writer
+        choices = []
+        t_start = results[0][2]
+        for i, (result, t_end, _) in enumerate(results):
+            c, finish = self._answer(i, result, sampling, spec)
+            call = self._calls.get(run.run_id, 0)
+            writer.append({
+                "run_id": run.run_id, "call": call, "prompt_ids": prompt_ids,
+                "output_ids": c.output_ids, "output_logprobs": c.logprobs,
+                "policy_version": result["policy_version"], "t_start": t_start,
+                "t_end": t_end, "finish_reason": finish})
+            self._calls[run.run_id] = call + 1
+            c.gyre = {"run_id": run.run_id, "call": call, "server": server.server_id,
+                      "policy_version": result["policy_version"]}
+            choices.append(c)
+        return choices
+
+    async def _results(self, run: RunState, prompt_ids: list[int], sampling: openai.Sampling
+                       ) -> tuple[list[tuple[dict[str, Any], float, float]], Any]:
+        """The `n` engine answers [(result, t_end, t_start)] and the server; a failed
+        one fails the request (HttpError)."""
+        n, run_id = sampling.n, run.run_id
+        try:
+            server = await self.router.acquire(run_id, wait_s=self.wait_for_server_s, num=n,
+                                               external=run.external)
         except NoServer as exc:
             raise HttpError(503, str(exc), "server_unavailable") from None
         t_start = time.time()
 
-        async def one(i: int) -> tuple[dict[str, Any], float]:
+        async def one(i: int) -> tuple[dict[str, Any], float, float]:
             seed = None if sampling.seed is None else sampling.seed + i
             result = await server.client.generate(
                 prompt_ids, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                 stop_token_ids=self.stop_token_ids, seed=seed)
-            return result, time.time()
+            return result, time.time(), t_start
         try:
             results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
         finally:
@@ -277,20 +392,7 @@ class Gateway:
             if not _well_formed(r[0]):
                 raise HttpError(502, f"rollout server {server.server_id!r} answered a "
                                 f"malformed generation: {str(r[0])[:200]}", "server_error")
-        choices = []
-        for i, (result, t_end) in enumerate(results):
-            c, finish = self._answer(i, result, sampling, spec)
-            call = self._calls.get(run_id, 0)
-            self.call_writer.append({
-                "run_id": run_id, "call": call, "prompt_ids": prompt_ids,
-                "output_ids": c.output_ids, "output_logprobs": c.logprobs,
-                "policy_version": result["policy_version"], "t_start": t_start,
-                "t_end": t_end, "finish_reason": finish})
-            self._calls[run_id] = call + 1
-            c.gyre = {"run_id": run_id, "call": call, "server": server.server_id,
-                      "policy_version": result["policy_version"]}
-            choices.append(c)
-        return choices
+        return results, server
 
     def _answer(self, index: int, result: dict[str, Any], sampling: openai.Sampling,
                 spec: tools.ToolSpec) -> tuple[openai.Choice, str]:

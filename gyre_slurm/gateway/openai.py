@@ -3,14 +3,18 @@
 Request fields honoured: `messages` (chat: roles system/developer/user/assistant/tool;
 content a string, null or a list of text parts; assistant `tool_calls`; tool
 `tool_call_id`) / `prompt` (a string, a one-string list, or a list of token ids),
-`max_completion_tokens` / `max_tokens` (default: the gateway's), `temperature`
-(default 1.0, 0 = greedy), `seed` (choice i of n gets seed + i), `n` (1..16), `stream`
+`max_completion_tokens` / `max_tokens` (default: the room left in the model's context,
+capped by the gateway's `default_max_tokens` when set), `temperature` (default 1.0, 0
+to 1e6; under 1e-5 it samples greedily, as vLLM does), `seed` (choice i of n gets seed + i), `n` (1..16), `stream`
 and `stream_options.include_usage`, `stop` (a string or up to 4), `logprobs` (chat:
 bool, with `top_logprobs` 0..20 accepted; completions: an int), `tools` and
 `tool_choice` (see `gateway.tools`); `seed` is a 64-bit integer, and `max_tokens` plus
 the prompt must fit the model's context (checked by the gateway). Refused: `echo`,
 `functions`/`function_call`.
-Accepted and ignored: `top_p`, penalties, `logit_bias`, `user`, `response_format`,
+Checked (OpenAI's ranges: `top_p` in (0, 1], `min_p` in [0, 1], presence/frequency
+penalties in [-2, 2], `repetition_penalty` > 0, `top_k` >= -1, `logit_bias` token ids to
+[-100, 100]) and not applied: the engines sample from the full distribution, and the
+recorded logprobs are of that sampling. Ignored: `user`, `response_format`,
 `parallel_tool_calls` and anything else. Top-logprob alternatives are reported empty
 (`top_logprobs: []` per token in chat, `null` in completions): the engines return only
 the sampled token's logprob.
@@ -34,12 +38,18 @@ __all__ = ["RequestError", "Sampling", "Choice", "parse_sampling", "parse_messag
 MAX_N = 16
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1 - MAX_N
 MAX_STOPS = 4
+MAX_TEMPERATURE = 1e6  # (temperatures under 1e-5 sample greedily, as in vLLM)
+IGNORED_NUMBERS = {  # checked, not applied: name -> (lo, hi, lo excluded)
+    "top_p": (0.0, 1.0, True), "min_p": (0.0, 1.0, False),
+    "presence_penalty": (-2.0, 2.0, False), "frequency_penalty": (-2.0, 2.0, False),
+    "repetition_penalty": (0.0, 1e6, True),
+}
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
 class Sampling:
-    max_tokens: int
+    max_tokens: int | None  # None: the request named none (resolved by the gateway)
     temperature: float
     seed: int | None
     logprobs: bool
@@ -77,8 +87,50 @@ def _int_field(body: dict[str, Any], name: str, default: int | None, lo: int, hi
         return default
     if not _int(v) or v < lo or (hi is not None and v > hi):
         rng = f">= {lo}" if hi is None else f"from {lo} to {hi}"
-        raise RequestError(f"{name} must be an integer {rng}, got {v!r}")
+        raise RequestError(f"{name} must be an integer {rng}, got {v!r:.40}")
     return v
+
+
+def _number_field(body: dict[str, Any], name: str, default: float | None, lo: float,
+                  hi: float, *, lo_open: bool = False) -> float | None:
+    """A number in [lo, hi] ((lo, hi] with `lo_open`), as a float; RequestError else
+    (a bool, a string, an integer too large for a float included)."""
+    v = body.get(name)
+    if v is None:
+        return default
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    if ok:
+        try:
+            f = float(v)
+        except OverflowError:
+            ok = False
+        else:
+            ok = (lo < f if lo_open else lo <= f) and f <= hi
+    if not ok:
+        rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise RequestError(f"{name} must be a number in {rng}, got {v!r:.40}")
+    return f
+
+
+def _check_ignored(body: dict[str, Any]) -> None:
+    """Sampling fields the engines do not apply are still checked (OpenAI's and vLLM's
+    ranges), so a malformed value is a 400 here as it would be there."""
+    for name, (lo, hi, lo_open) in IGNORED_NUMBERS.items():
+        _number_field(body, name, None, lo, hi, lo_open=lo_open)
+    _int_field(body, "top_k", None, -1, None)
+    bias = body.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict) or len(bias) > 1024:
+        raise RequestError("logit_bias must be an object of at most 1024 "
+                           "{\"token id\": bias from -100 to 100}")
+    for k in bias:
+        if not (isinstance(k, str) and k.isdigit() and len(k) <= 9):
+            raise RequestError(f"logit_bias key {k!r:.40} is not a token id")
+        try:
+            _number_field(bias, k, None, -100.0, 100.0)
+        except RequestError as exc:
+            raise RequestError(f"logit_bias[{k!r}]: {exc}") from None
 
 
 def _stops(body: dict[str, Any]) -> tuple[str, ...]:
@@ -93,21 +145,18 @@ def _stops(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def parse_sampling(body: dict[str, Any], *, default_max_tokens: int, chat: bool) -> Sampling:
+def parse_sampling(body: dict[str, Any], *, chat: bool) -> Sampling:
+    """The request's sampling settings; `max_tokens` None when the request names none
+    (the gateway then gives the room left in the context)."""
     if body.get("echo"):
         raise RequestError("echo=true is not supported")
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = default_max_tokens
-    if not _int(max_tokens) or max_tokens < 0:
+    if max_tokens is not None and (not _int(max_tokens) or max_tokens < 0):
         raise RequestError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
-    temperature = body.get("temperature")
-    temperature = 1.0 if temperature is None else temperature
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) \
-            or not 0 <= temperature < float("inf"):
-        raise RequestError(f"temperature must be a number >= 0, got {temperature!r}")
+    temperature = _number_field(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
+    _check_ignored(body)
     seed = body.get("seed")
     if seed is not None and (not _int(seed) or not SEED_MIN <= seed <= SEED_MAX):
         raise RequestError(f"seed must be an integer from {SEED_MIN} to {SEED_MAX} (a 64-bit "

@@ -13,6 +13,11 @@ Rules:
   or its removal: runs must not pile onto a dead server, whose empty slots make it
   look like the least loaded one, while its health check takes a few seconds.
 - `remove` only a draining server with no call in flight; its runs lose their affinity.
+- External runs (`external=True`: runs the coordinator did not start, see
+  `gateway.runs`) are routed the same way and count for placement while they live,
+  but are reported apart (`load()["external"]`): the scheduler's run counts and the
+  `wait` drain see only the job's runs, so an external client can neither inflate a
+  cell's load nor hold a drain.
 All methods run on the event loop thread (no locks needed).
 """
 
@@ -39,7 +44,14 @@ class ServerState:
     draining: bool = False
     suspect: bool = False  # takes no runs until trusted again
     runs: set[str] = field(default_factory=set)
+    external: set[str] = field(default_factory=set)
     in_flight: int = 0
+
+    def holding(self) -> int:
+        return len(self.runs) + len(self.external)
+
+    def runs_of(self, external: bool) -> set[str]:
+        return self.external if external else self.runs
 
 
 class Router:
@@ -87,7 +99,7 @@ class Router:
         if state.in_flight:
             raise RuntimeError(f"server {server_id!r} has {state.in_flight} calls in "
                                "flight: remove it once they are done")
-        for run_id in state.runs:
+        for run_id in state.runs | state.external:
             self.affinity.pop(run_id, None)
         del self.servers[server_id]
         log.info("server %s removed", server_id)
@@ -96,10 +108,11 @@ class Router:
         server_id = self.affinity.pop(run_id, None)
         if server_id is not None and server_id in self.servers:
             self.servers[server_id].runs.discard(run_id)
+            self.servers[server_id].external.discard(run_id)
 
     def load(self) -> dict[str, dict[str, Any]]:
-        return {sid: {"runs": len(s.runs), "in_flight": s.in_flight, "draining": s.draining,
-                      "suspect": s.suspect}
+        return {sid: {"runs": len(s.runs), "external": len(s.external),
+                      "in_flight": s.in_flight, "draining": s.draining, "suspect": s.suspect}
                 for sid, s in sorted(self.servers.items())}
 
     def _get(self, server_id: str) -> ServerState:
@@ -108,26 +121,27 @@ class Router:
         except KeyError:
             raise KeyError(f"no server {server_id!r} (known: {sorted(self.servers)})") from None
 
-    def _pick(self, run_id: str) -> ServerState | None:
+    def _pick(self, run_id: str, external: bool) -> ServerState | None:
         current = self.servers.get(self.affinity.get(run_id, ""))
         if current is not None and not (current.draining or current.suspect):
             return current
         open_ = [s for s in self.servers.values() if not (s.draining or s.suspect)]
         if not open_:
             return None
-        best = min(open_, key=lambda s: (len(s.runs) >= s.capacity, len(s.runs), s.server_id))
+        best = min(open_, key=lambda s: (s.holding() >= s.capacity, s.holding(), s.server_id))
         if current is not None:
-            current.runs.discard(run_id)
+            current.runs_of(external).discard(run_id)
             log.info("run %s migrates from server %s to %s", run_id,
                      current.server_id, best.server_id)
-        best.runs.add(run_id)
+        best.runs_of(external).add(run_id)
         self.affinity[run_id] = best.server_id
         return best
 
-    async def acquire(self, run_id: str, *, wait_s: float, num: int = 1) -> ServerState:
+    async def acquire(self, run_id: str, *, wait_s: float, num: int = 1,
+                      external: bool = False) -> ServerState:
         """The run's server, with `num` more calls in flight (`release` them after)."""
         deadline = time.monotonic() + wait_s
-        while (state := self._pick(run_id)) is None:
+        while (state := self._pick(run_id, external)) is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise NoServer(f"no rollout server available for run {run_id!r} after "

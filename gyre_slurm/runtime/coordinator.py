@@ -124,10 +124,21 @@ class Coordinator:
         site = web.TCPSite(self.control_runner, self.addr0, 0)
         await site.start()
         self.control_url = f"http://{self.addr0}:{site._server.sockets[0].getsockname()[1]}"
-        self.call_writer = CallStoreWriter(self.rd.path,
-                                           f"gateway-{int(time.time())}-{os.getpid()}")
+        writer_id = f"gateway-{int(time.time())}-{os.getpid()}"
+        self.call_writer = CallStoreWriter(self.rd.path, writer_id)
+        # The gateway never holds the job secret: each run gets a key of its own.
+        external, self.external_writer = None, None
+        ext = self.cfg.gateway.external
+        if ext.enabled:
+            from gyre_slurm.gateway.runs import ExternalPolicy
+
+            external = ExternalPolicy(key=self.rd.external_key(), prefix=ext.prefix,
+                                      max_runs=ext.max_runs, idle_timeout_s=ext.idle_timeout_s,
+                                      max_run_s=ext.max_run_s)
+            self.external_writer = CallStoreWriter(self.rd.path / "external", writer_id)
         self.gateway = Gateway(model_dir=self.rd.model_dir, call_writer=self.call_writer,
-                               api_key=secret, default_max_tokens=self.cfg.runtime.max_tokens)
+                               external=external, external_writer=self.external_writer,
+                               default_max_tokens=self.cfg.gateway.default_max_tokens)
         gw_port = await self.gateway.start(self.addr0, 0)
         self.gateway_url = f"http://{self.addr0}:{gw_port}"
         cfg = self.cfg
@@ -143,7 +154,7 @@ class Coordinator:
                                   purge_step=self.book.version if self.resume else None)
         self.rollouts = RolloutManager(cfg=self.cfg, rd=self.rd, book=self.book,
                                        gateway=self.gateway, gateway_url=self.gateway_url,
-                                       api_key=secret, flush_calls=self.call_writer.flush)
+                                       flush_calls=self.call_writer.flush)
 
     async def on_register(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -267,6 +278,8 @@ class Coordinator:
         self.call_writer.close()
         if self.metrics is not None:
             self.metrics.close()
+        if self.external_writer is not None:
+            self.external_writer.close()
         await self.control_runner.cleanup()
 
     def capacity(self) -> int:
@@ -419,8 +432,9 @@ class Coordinator:
         now = self.sample_waterlevel()
         self.rd.write_status({
             "t": time.time(), "elapsed_s": time.time() - self.t0, "final": final,
-            # Where the run serves (every route needs the run's secret).
+            # Where the run serves (the gateway: each run's own key; control: the secret).
             "gateway_url": getattr(self, "gateway_url", None),
+            "gateway_runs": self.gateway.run_stats() if self.gateway else {},
             "control_url": getattr(self, "control_url", None),
             "policy": self.policy.name, "version": self.book.version,
             "num_steps": self.book.num_steps,

@@ -35,9 +35,9 @@ SERVER_FAILED = re.compile(r"^HTTP 50[23]\b")
 
 class RolloutManager:
     def __init__(self, *, cfg: GyreConfig, rd: RunDir, book: StepBook, gateway, gateway_url: str,
-                 api_key: str, flush_calls=None):
+                 flush_calls=None):
         self.cfg, self.rd, self.book = cfg, rd, book
-        self.gateway, self.gateway_url, self.api_key = gateway, gateway_url, api_key
+        self.gateway, self.gateway_url = gateway, gateway_url
         self.flush_calls = flush_calls  # makes the gateway's recorded calls readable
         self.tasks: dict[str, asyncio.Task] = {}
         self.started_at: dict[str, float] = {}
@@ -117,9 +117,10 @@ class RolloutManager:
         turns = step_shape(self.cfg, entry.step).turns or rt.max_turns
         task = self._task_spec(entry.step, entry.prompt)
         base_url = f"{self.gateway_url}/runs/{entry.run_id}/v1"
+        key = self.gateway.open_run(entry.run_id)  # revoked by end_run when the run ends
         try:
             result = await asyncio.wait_for(run_agent(
-                base_url=base_url, api_key=self.api_key, env=env, task=task,
+                base_url=base_url, api_key=key, env=env, task=task,
                 run_id=entry.run_id, max_turns=turns,
                 context_budget_tokens=rt.context_budget_tokens, max_tokens=rt.max_tokens,
                 temperature=rt.temperature,

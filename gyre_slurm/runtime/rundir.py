@@ -3,7 +3,9 @@
 ```
 RUN_DIR/
   config.yaml           the resolved config, as run
-  secret                the run's shared secret (mode 0600): control channel, engines, gateway
+  secret                the job secret (mode 0600): control channel, engines (never the gateway)
+  external_key          with gateway.external on: the key of external runs (mode 0600)
+  external/calls/       external runs' calls (never trained)
   status.json           current state, rewritten atomically about once a second
   events.jsonl          append-only: decisions, handoff phases, steps, failures
   calls/ runs/          the gateway's call store; run records (runs/runs.jsonl)
@@ -19,7 +21,8 @@ Access: the secret is 0600 and the model's state (`checkpoints/`, `weights/`,
 `trainer_state/`) lives in 0700 directories, set explicitly whatever the umask, so
 only the run's user reads them. Other files are made 0644 (status, events, logs, the
 call store): as readable as the run dir itself, which is the user's to share (e.g. with
-`gyre status` for a group) or not. No file of the run dir holds the secret but `secret`.
+`gyre status` for a group) or not. No file of the run dir holds the secret but `secret`;
+a run's own gateway key lives only in the coordinator and that run's agent.
 Nothing here is unpickled: records are JSON, tensors safetensors (or `torch.load` with
 `weights_only=True`).
 """
@@ -95,6 +98,19 @@ class RunDir:
 
     def secret(self) -> str:
         return self.secret_file.read_text().strip()
+
+    @property
+    def external_key_file(self) -> Path:
+        return self.path / "external_key"
+
+    def external_key(self) -> str:
+        """The key of external runs (`gateway.external`), made on first use (0600);
+        never the job secret, and it opens only external runs on the gateway."""
+        if not self.external_key_file.exists():
+            write_bytes_atomic(self.external_key_file,
+                               ("gyre-ext-" + secrets.token_urlsafe(32)).encode(), mode=0o600)
+        os.chmod(self.external_key_file, 0o600)
+        return self.external_key_file.read_text().strip()
 
     # -- live files ------------------------------------------------------------------
     def event(self, kind: str, **fields) -> dict:
