@@ -53,7 +53,7 @@ def test_health_and_models(engine):
     async def go(c):
         return await wait_healthy(c, timeout_s=10), await c.models()
     health, models = run(go, engine)
-    assert health == {"status": "ok", "policy_version": 0, "active": 0}
+    assert health == {"status": "ok", "policy_version": 0, "active": 0, "cancelled": 0}
     assert models["data"][0]["id"] == "gyre-policy"
 
 
