@@ -200,3 +200,32 @@ def processes_naming(path: Path) -> list[str]:
         if str(path) in cmdline and state != "Z" and proc.name != str(os.getpid()):
             found.append(cmdline)
     return found
+
+
+def test_a_second_cluster_runs_beside_the_shared_one(slurm_cluster, open_dir):
+    """Its own state dir, ports, node names and addresses: both clusters run jobs at once,
+    and taking the second down leaves the first (and its /etc/hosts lines) alone."""
+    second = LocalCluster(open_dir / "bench", num_nodes=2, ctld_port=16837,
+                          node_port_base=17200, node_prefix="tnode", addr_prefix="127.0.12.")
+    try:
+        assert second.up(timeout_s=60)
+        out = subprocess.run(["srun", "-N2", "hostname"], env=second.env(), capture_output=True,
+                             text=True, timeout=60, check=True).stdout.split()
+        assert sorted(out) == ["tnode1", "tnode2"]
+        hosts = HOSTS_FILE.read_text()
+        assert f"127.0.12.2 tnode2  {HOSTS_TAG} {second.state_dir}" in hosts
+        first = subprocess.run(["srun", "-N1", "hostname"], env=slurm_cluster.env(),
+                               capture_output=True, text=True, timeout=60, check=True)
+        assert first.stdout.strip().startswith("node")
+    finally:
+        second.down()
+    assert "tnode1" not in HOSTS_FILE.read_text()
+    assert "node1" in HOSTS_FILE.read_text() and slurm_cluster.is_up()
+    assert processes_naming(second.state_dir) == []
+
+
+def test_cluster_names_and_addresses_are_checked():
+    with pytest.raises(ValueError, match="node_prefix"):
+        LocalCluster("/tmp/x", 2, node_prefix="Bad-Name")
+    with pytest.raises(ValueError, match="loopback prefix"):
+        LocalCluster("/tmp/x", 2, addr_prefix="10.0.0.")

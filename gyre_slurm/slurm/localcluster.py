@@ -21,8 +21,14 @@ Known not to work: sacct and anything else needing slurmdbd (tools such as submi
 "Bypassing sacct error"); `scontrol ... --json` (not in 22.05); cgroup confinement
 (proctrack/linuxproc + task/none: steps are not fenced to their CPUs or memory); real GPUs;
 timed signals (`--signal=B:USR2@T`) arrive up to ~30 s late (slurmctld's limit check period):
-send signals with `scancel --signal`. One cluster per machine at a time (a second one on the
-same ports is refused); `up` with another node count restarts the cluster.
+send signals with `scancel --signal`. `up` with another node count restarts the cluster.
+
+A second cluster beside the first (the shared test cluster keeps running): its own state
+dir, slurmctld port and slurmd ports, node names and loopback addresses, e.g.
+`LocalCluster("/tmp/gyre-bench-slurm", 8, ctld_port=16827, node_port_base=17100,
+node_prefix="bnode", addr_prefix="127.0.11.")` (`tools/localslurm up --nodes 8 --state-dir
+... --ctld-port ... --port-base ... --node-prefix bnode --addr-prefix 127.0.11.`). A
+cluster on ports already in use is refused.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -122,10 +129,12 @@ def _apt(*argv: str) -> str:
 
 
 def render_slurm_conf(*, state_dir: Path, num_nodes: int, ctld_port: int,
-                      node_port_base: int) -> str:
+                      node_port_base: int, node_prefix: str = "node",
+                      addr_prefix: str = "127.0.10.", cluster_name: str = "gyre") -> str:
     s = state_dir
     lines = [
-        "ClusterName=gyre", "SlurmctldHost=localhost(127.0.0.1)", f"SlurmctldPort={ctld_port}",
+        f"ClusterName={cluster_name}", "SlurmctldHost=localhost(127.0.0.1)",
+        f"SlurmctldPort={ctld_port}",
         "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge", "CredType=cred/munge",
         f"AuthInfo=socket={s}/munge/munge.socket,cred_expire=10",
         f"StateSaveLocation={s}/ctld", f"SlurmdSpoolDir={s}/spool/%n",
@@ -141,7 +150,8 @@ def render_slurm_conf(*, state_dir: Path, num_nodes: int, ctld_port: int,
         "AccountingStorageType=accounting_storage/none", "GresTypes=gpu",
     ]
     for n in range(1, num_nodes + 1):
-        lines.append(f"NodeName=node{n} NodeHostname=node{n} NodeAddr=127.0.10.{n} "
+        name = f"{node_prefix}{n}"
+        lines.append(f"NodeName={name} NodeHostname={name} NodeAddr={addr_prefix}{n} "
                      f"Port={node_port_base + n} CPUs=4 RealMemory=2000 "
                      f"Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN")
     lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
@@ -163,12 +173,21 @@ class LocalCluster:
     """One local Slurm cluster: `up`, `down`, `status`, `env` (see the module docstring)."""
 
     def __init__(self, state_dir: Path | str | None = None, num_nodes: int = 4, *,
-                 ctld_port: int = 16817, node_port_base: int = 16900) -> None:
+                 ctld_port: int = 16817, node_port_base: int = 16900,
+                 node_prefix: str = "node", addr_prefix: str = "127.0.10.") -> None:
         if not 1 <= num_nodes <= 250:
             raise ValueError(f"num_nodes must be in 1..250, not {num_nodes}")
+        if not re.fullmatch(r"[a-z][a-z0-9]{0,15}", node_prefix):
+            raise ValueError(f"node_prefix must be a lowercase name (a-z, then a-z 0-9), "
+                             f"got {node_prefix!r}")
+        m = re.fullmatch(r"127\.(\d{1,3})\.(\d{1,3})\.", addr_prefix)
+        if m is None or max(int(m[1]), int(m[2])) > 255:
+            raise ValueError(f"addr_prefix must be a loopback prefix 127.X.Y. (with the "
+                             f"final dot), got {addr_prefix!r}")
         self.state_dir = Path(state_dir or default_state_dir()).resolve()
         self.num_nodes, self.ctld_port, self.node_port_base = num_nodes, ctld_port, node_port_base
-        self.nodes = [f"node{n}" for n in range(1, num_nodes + 1)]
+        self.node_prefix, self.addr_prefix = node_prefix, addr_prefix
+        self.nodes = [f"{node_prefix}{n}" for n in range(1, num_nodes + 1)]
         self._spawned: list[str] = []  # daemons the current `up` has started
 
     @property
@@ -237,10 +256,13 @@ class LocalCluster:
                 return False
             ensure_packages()
             self._stop_daemons()  # leftovers of a half-dead cluster in this state dir
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", self.ctld_port)) == 0:
-                    raise RuntimeError(f"port {self.ctld_port} is in use: another local "
-                                       "Slurm cluster (other state dir) runs here?")
+            for port in (self.ctld_port, self.node_port_base + 1):
+                with socket.socket() as sock:
+                    if sock.connect_ex(("127.0.0.1", port)) == 0:
+                        raise RuntimeError(
+                            f"port {port} is in use: another local Slurm cluster (other "
+                            f"state dir) runs here? A second cluster needs its own "
+                            f"ctld_port and node_port_base (and node names, addresses)")
             self._spawned = []
             try:
                 self._start(timeout_s=timeout_s)
@@ -287,11 +309,13 @@ class LocalCluster:
         for dev in (s / "dev" / f"nvidia{i}" for i in range(GPUS_PER_NODE)):
             dev.unlink(missing_ok=True)
             dev.symlink_to("/dev/null")  # slurmd wants a device: a regular file is refused
-        _write(self.conf_path, render_slurm_conf(state_dir=s, num_nodes=self.num_nodes,
-                                                 ctld_port=self.ctld_port,
-                                                 node_port_base=self.node_port_base))
+        _write(self.conf_path, render_slurm_conf(
+            state_dir=s, num_nodes=self.num_nodes, ctld_port=self.ctld_port,
+            node_port_base=self.node_port_base, node_prefix=self.node_prefix,
+            addr_prefix=self.addr_prefix,
+            cluster_name="gyre" if self.node_prefix == "node" else f"gyre{self.node_prefix}"))
         _write(s / "etc" / "gres.conf",
-               f"AutoDetect=off\nNodeName=node[1-{self.num_nodes}] Name=gpu "
+               f"AutoDetect=off\nNodeName={self.node_prefix}[1-{self.num_nodes}] Name=gpu "
                f"File={s}/dev/nvidia[0-{GPUS_PER_NODE - 1}]\n")
 
     def _spawn(self, name: str, argv: list[str], out) -> None:
@@ -326,7 +350,7 @@ class LocalCluster:
         return f"{HOSTS_TAG} {self.state_dir}"
 
     def _hosts_lines(self) -> list[str]:
-        return [f"127.0.10.{i} {n}  {self._hosts_tag}" for i, n in enumerate(self.nodes, 1)]
+        return [f"{self.addr_prefix}{i} {n}  {self._hosts_tag}" for i, n in enumerate(self.nodes, 1)]
 
     def _rewrite_hosts(self, keep_ours: bool) -> None:
         """Rewrite /etc/hosts in place (it may be a bind mount: no rename)."""
