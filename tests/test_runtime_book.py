@@ -99,3 +99,32 @@ def test_waiting_tokens_count_open_groups_and_later_steps():
     b.finish(run_id_of(1, 1, 0), status="ok", reward=1.0, trajectories=[traj("c", 8)])
     b.finish(run_id_of(1, 1, 1), status="failed", reward=0.0, trajectories=[])
     assert b.waiting_tokens() == 8  # a later step's released group still waits
+
+
+def test_trained_runs_are_counted_live_as_training_consumes_them():
+    """`gyre status` showed `trained 0` through a healthy job (the state was set only on
+    resume): a run counts as trained once its last trajectory is, a rewound step's
+    count drops back, and trained runs leave the `ok` count."""
+    b = book(prompts_per_step=1, group_size=2)
+    for r in b.pending():
+        b.start(r.run_id)
+    g0, g1 = run_id_of(0, 0, 0), run_id_of(0, 0, 1)
+    b.finish(g0, status="ok", reward=1.0, trajectories=[traj(g0), traj(g0)])
+    b.finish(g1, status="failed", reward=0.0, trajectories=[])
+    assert b.run_counts() == {"pending": 2, "running": 2, "ok": 1, "failed": 1,
+                              "timeout": 0, "trained": 0}
+    first = b.next_microbatch(max_tokens=4)
+    b.trained(first, index=1)
+    assert b.run_counts()["trained"] == 0  # one of its two trajectories trained
+    second = b.next_microbatch(max_tokens=4)
+    b.trained(second, index=2)
+    assert b.run_counts()["trained"] == 1 and b.run_counts()["ok"] == 0
+    b.rewind_step()  # a member was lost: the step's micro-batches train again
+    assert b.run_counts()["trained"] == 0 and b.run_counts()["ok"] == 1
+    while (again := b.next_redo()) is not None:
+        b.trained(again[1], index=again[0])
+    b.step_done()
+    assert b.run_counts()["trained"] == 1 and b.run_counts()["failed"] == 1
+    resumed = book(prompts_per_step=1, group_size=2)
+    resumed.mark_trained_before(1)
+    assert resumed.run_counts()["trained"] == 2 and resumed.run_counts()["pending"] == 4

@@ -37,6 +37,7 @@ def gyre_run(run_dir: Path, *extra: str, resume: bool = False, timeout_s: float 
     for item in extra:
         args += ["--set", item]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("GYRE_PROG", None)  # as `gyre` names itself (tools/gyre sets it)
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
@@ -55,6 +56,39 @@ def test_each_mode_completes_with_nothing_lost_or_repeated(tmp_path, policy):
         assert all(len(e["cells"]) == 4 for e in handoffs)  # every cell switches together
     for e in handoffs:  # every phase is timed
         assert e["total_s"] >= 0 and "rebuild_s" in e and "drain_s" in e
+    records = list(read_jsonl(run_dir / "runs" / "runs.jsonl"))
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["runs"]["trained"] == len(records) and status["runs"]["ok"] == 0
+    check_summary(proc.stdout, run_dir, events, records)
+    if policy == "colocate":  # every cell trains step 0, sampled by the policy it trains
+        step0 = next(read_jsonl(run_dir / "metrics.jsonl"))
+        assert step0["step"] == 0 and step0["train/ratio_mean"] == pytest.approx(1.0, abs=0.01)
+
+
+def check_summary(stdout: str, run_dir: Path, events: list[dict], records: list[dict]):
+    """What `gyre run` printed: where to watch it at the start, then its summary, each
+    figure as the run dir's records have it."""
+    lines = stdout.splitlines()
+    assert lines[0] == f"gyre run: starting; run dir {run_dir}", stdout
+    assert lines[1].split() == ["watch", "gyre", "status", str(run_dir)]
+    assert f"{run_dir / 'events.jsonl'}" in lines[2]
+    end = lines.index(next(ln for ln in lines if ln.startswith("gyre run: finished after ")))
+    steps = [e for e in events if e["kind"] == "step"]
+    rewards = [e["mean_reward"] for e in steps]
+    k = min(5, len(rewards))
+    directions = Counter(e["direction"] for e in events if e["kind"] == "handoff")
+    handoffs = f"{sum(directions.values())}" + (" (" + ", ".join(
+        f"{n} {d}" for d, n in sorted(directions.items())) + ")" if directions else "")
+    wall = next(e["wall_s"] for e in events if e["kind"] == "finish")
+    assert lines[end:] == [
+        f"gyre run: finished after {wall:.0f} s",
+        f"  steps    {len(steps)}/{len(steps)}",
+        f"  runs     {len(records)} ok, 0 failed",
+        f"  handoffs {handoffs}",
+        f"  reward   {sum(rewards[:k]) / k:.3f} (first {k} steps) -> "
+        f"{sum(rewards[-k:]) / k:.3f} (last {k})",
+        f"  run dir  {run_dir}",
+        f"  report   gyre report {run_dir} -o {run_dir / 'report.png'}"], stdout
 
 
 def test_elastic_moves_cells_both_ways(tmp_path):

@@ -80,3 +80,15 @@ def test_bad_input_is_a_clear_error(gyre, args, message):
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_table_is_whole_when_stdout_is_not_a_terminal(gyre):
+    """Piped or redirected, rich assumed 80 columns and cut the cells (`89.…`)."""
+    out = gyre("sim", "--preset", "small").stdout  # captured: not a terminal
+    rows = [ln for ln in out.splitlines() if ln.startswith(("┃", "│"))]
+    assert "…" not in out, out
+    assert rows[0].split("┃")[1:-1] and [c.strip() for c in rows[0].split("┃")[1:-1]] == [
+        "policy", "hours", "x bound", "vs elastic", "busy", "handoffs", "migrated"], out
+    names = [r.split("│")[1].strip() for r in rows[1:]]
+    assert {"elastic", "colocate", "async", "elastic-nostream", "async-stream"} <= set(names)
+    assert all(r.split("│")[5].strip().endswith("%") for r in rows[1:]), out  # busy, whole

@@ -57,7 +57,8 @@ def make_model_dir(path: str | Path, *, vocab_size: int = 512, hidden_size: int 
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)  # it wrote blank lines to stdout
     tok.train_from_iterator(_corpus(), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>",
                                    eos_token="<|eos|>", pad_token="<|pad|>")

@@ -22,7 +22,7 @@ the rebuilt world, which restarts from the state of the last optimizer step.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 
@@ -82,6 +82,26 @@ class StepBook:
 
     def count(self, state: str) -> int:
         return sum(1 for r in self.runs.values() if r.state == state)
+
+    def run_counts(self) -> dict[str, int]:
+        """Runs by state, where `trained` counts the runs whose trajectories are all
+        trained, live: the ok runs of the steps before the current version (on resume,
+        every run of the steps a checkpoint holds), and in the step being trained each
+        ok run once its last trajectory is (a rewound step's count drops back); `ok`
+        counts the ended ok runs not yet trained."""
+        counts = Counter(r.state for r in self.runs.values())
+        trained = sum(1 for step in self.steps[:self.version] for rid in step.runs
+                      if self.runs[rid].state == "ok")
+        if self.version < self.num_steps:
+            step = self.steps[self.version]
+            done = Counter(step.trained_runs)
+            trained += sum(1 for rid in step.runs if self.runs[rid].state == "ok"
+                           and self.runs[rid].trajectories
+                           and done[rid] >= len(self.runs[rid].trajectories))
+        counts["ok"] -= trained
+        counts["trained"] += trained
+        return {s: counts[s] for s in ("pending", "running", "ok", "failed", "timeout",
+                                       "trained")}
 
     def future(self) -> int:
         return sum(len(s.runs) for s in self.steps[self.allowed_steps().stop:])

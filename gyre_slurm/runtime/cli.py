@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -12,6 +14,9 @@ from gyre_slurm.config.cli import add_set_argument
 from gyre_slurm.config.presets import resolve
 from gyre_slurm.config.schema import load_config
 from gyre_slurm.errors import UserError
+from gyre_slurm.monitor import summary
+
+log = logging.getLogger(__name__)
 
 
 def register(subparsers) -> None:
@@ -38,7 +43,27 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{args.run_dir} already holds a run; use --resume to continue "
                             "it, or another --run-dir")
         cfg = load_config(resolve(args.config), args.overrides)
-    return asyncio.run(_run_until_signal(Coordinator(cfg, args.run_dir, resume=args.resume)))
+    coordinator = Coordinator(cfg, args.run_dir, resume=args.resume)
+    prog = os.environ.get("GYRE_PROG") or "gyre"  # tools/gyre names itself
+    print(summary.start_text(args.run_dir, prog=prog, resume=args.resume), flush=True)
+    outcome = "failed"
+    try:
+        rc = asyncio.run(_run_until_signal(coordinator))
+        outcome = {0: "finished", 143: "stopped (continue with --resume)"}.get(
+            rc, f"ended (exit code {rc})")
+        return rc
+    finally:
+        _print_summary(args.run_dir, outcome=outcome, prog=prog)
+
+
+def _print_summary(run_dir: Path, *, outcome: str, prog: str) -> None:
+    """The job's summary on stdout; never hides what ended the job."""
+    if not (run_dir / "events.jsonl").exists():
+        return
+    try:
+        print(summary.end_text(run_dir, outcome=outcome, prog=prog), flush=True)
+    except Exception:  # noqa: BLE001 - a summary must not mask the job's own error
+        log.exception("could not summarize %s", run_dir)
 
 
 async def _run_until_signal(coordinator) -> int:

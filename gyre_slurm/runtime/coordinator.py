@@ -442,8 +442,7 @@ class Coordinator:
                        "target": c.target.value if c.target else None,
                        "runs": self.cell_runs(c.cell_id, load)}
                       for c in self.table.cells] if self.table else [],
-            "runs": {s: self.book.count(s) for s in ("pending", "running", "ok", "failed",
-                                                     "timeout", "trained")},
+            "runs": self.book.run_counts(),  # trained: live, as training consumes them
             "train": {"members": list(self.world.members) if self.world else [],
                       "generation": self.world.generation if self.world else 0,
                       "ready_tokens": self.book.ready_tokens()},

@@ -44,7 +44,6 @@ def print_table(summary: dict, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
     lb = summary["lower_bound_s"]
     table = Table(title=f"{summary['preset']}: lower bound {lb / 3600:.2f} h "
                         f"(work {summary['work_bound_s'] / 3600:.2f} h, critical path "
@@ -57,7 +56,21 @@ def print_table(summary: dict, console=None) -> None:
         table.add_row(name, f"{p['makespan_s'] / 3600:.2f}", f"{p['ratio_to_lower_bound']:.3f}",
                       f"{p['makespan_s'] / elastic:.3f}", f"{p['busy_fraction']:.1%}",
                       str(p["handoffs"]), str(p["migrations"]))
-    console.print(table)
+    (console or _console_for(table)).print(table)
+
+
+def _console_for(table):
+    """A terminal's own width; elsewhere (a pipe, a file: rich would assume 80 columns
+    and cut the cells) the table's natural width, so that nothing is cut."""
+    import sys
+
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    if sys.stdout.isatty():
+        return Console()
+    wide = Console(width=100_000)
+    return Console(width=Measurement.get(wide, wide.options, table).maximum)
 
 
 def plot_timelines(results: dict[str, SimResult], path: str, *, title: str,
