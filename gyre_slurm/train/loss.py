@@ -55,9 +55,9 @@ against the proximal policy, the behaviour correction is a separate truncated we
   gyre takes ONE optimizer step per batch: every micro-batch of a step is trained under
   the weights of the step's start, so the proximal logprobs are those of the training
   forward pass itself (`prox_logprobs=None`: sg(logπ); a second forward pass gives the
-  same numbers, which tests/test_train_loss.py checks). Then r_t = 1, the clip never
-  acts, and `decoupled` has `tis`'s value and gradient. A trainer that updates several
-  times per batch passes the logprobs of the step's start as `prox_logprobs`.
+  same numbers, bit for bit on CPU: tests/test_train_loss_variants.py). Then r_t = 1,
+  the clip never acts, and `decoupled` has `tis`'s value and gradient. A trainer that
+  updates several times per batch passes the step-start logprobs as `prox_logprobs`.
 
 `gspo`: the sequence-level ratio of GSPO (Zheng et al. 2025, arXiv 2507.18071; verl
 `compute_policy_loss_gspo`, its token form), with its own, much smaller clip range:
