@@ -1,10 +1,16 @@
+import dataclasses
+from collections import Counter
+
 import pytest
 import yaml
 
+from gyre_slurm.config.keys import iter_keys
 from gyre_slurm.config.loader import apply_overrides, dump_yaml, from_dict
 from gyre_slurm.config.presets import preset_names, preset_path
-from gyre_slurm.config.schema import GyreConfig, load_config
+from gyre_slurm.config.schema import RENAMED, GyreConfig, load_config
 from gyre_slurm.errors import ConfigError
+
+KEYS = iter_keys(GyreConfig)
 
 
 def test_defaults_load_and_round_trip():
@@ -99,3 +105,64 @@ def test_gyre_config_prints_resolved_yaml(gyre):
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     unknown = gyre("config", "nopreset", check=False)
     assert unknown.returncode == 2 and "unknown preset 'nopreset'" in unknown.stderr
+
+
+def test_every_key_and_section_has_a_description():
+    missing = [k.path for k in KEYS if len(k.help.split()) < 2]
+    assert not missing, f"keys without a description: {missing}"
+    assert len(KEYS) > 80  # the walk reached every section
+
+
+def test_sections_are_frozen_and_keyword_only():
+    cfg = load_config(None)
+    sections = [type(getattr(cfg, k.path)) for k in KEYS if k.is_section and "." not in k.path]
+    for cls in [GyreConfig, type(cfg.workload.duration)] + sections:
+        params = cls.__dataclass_params__
+        assert params.frozen, cls
+        assert all(f.kw_only for f in dataclasses.fields(cls)), cls
+    with pytest.raises(TypeError):
+        type(load_config(None).cluster)(4)  # positional: refused
+
+
+# A name in two sections is two concepts only where each role has its own: the rollout
+# engine's and the trainer's interpreter, image and tensor parallelism. (An item of a list,
+# a workload phase, may override a workload key for its steps: `workload.phases[].sigma`.)
+PER_ROLE = {"python", "container_image", "tensor_parallel"}
+
+
+def test_no_concept_has_two_keys():
+    names = Counter(k.path.rsplit(".", 1)[-1] for k in KEYS
+                    if not k.is_section and "[]." not in k.path)
+    assert {n for n, count in names.items() if count > 1} <= PER_ROLE
+    texts = Counter(k.help for k in KEYS)
+    assert [t for t, count in texts.items() if count > 1] == []
+    paths = {k.path for k in KEYS}
+    # the concepts the simulator and the runtime once each had a key for
+    for old in ("sim.seed", "sim.policy_interval_s", "runtime.policy_interval_s",
+                "runtime.runs_per_cell", "trainer.pace_node_tokens_per_s"):
+        assert old not in paths and old in RENAMED
+    assert {"seed", "scheduler.interval_s", "rollout.runs_per_node",
+            "training.node_tokens_per_s"} <= paths
+
+
+@pytest.mark.parametrize("old", sorted(RENAMED))
+def test_old_keys_are_refused_naming_the_new_key(old):
+    section, _, name = old.partition(".")
+    override = f"{old}=1" if name else f"{old}.bogus=1"  # a whole section: any key in it
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    message = str(err.value)
+    new = RENAMED[old].split(" ")[0].rstrip(":,")
+    assert f"{old} is" in message and RENAMED[old] in message, message
+    if name and "." in new:  # the replacement is a key that exists
+        assert new in {k.path for k in KEYS}, new
+
+
+def test_gyre_config_keys_describes_every_key(gyre):
+    out = gyre("config", "keys").stdout
+    for k in KEYS:
+        assert k.path in out
+    one = gyre("config", "keys", "faults").stdout
+    assert "faults.agent_lost_s" in one and "cluster.num_nodes" not in one
+    bad = gyre("config", "keys", "nosuch", check=False)
+    assert bad.returncode == 2 and "sections: cluster" in bad.stderr

@@ -23,29 +23,29 @@ MEGATRON = ["trainer.backend=megatron", "trainer.python=env:megatron"]
 # (overrides on configs/tiny.yaml, the key the message starts with or names, a fragment)
 BAD = [
     (["cluster.num_nodse=4"], "cluster.num_nodse", "Did you mean 'cluster.num_nodes'"),
-    (["runtime.heartbeat=1"], "runtime.heartbeat", "Did you mean 'runtime.heartbeat_s'"),
+    (["faults.heartbeat=1"], "faults.heartbeat", "Did you mean 'faults.heartbeat_s'"),
     (["cluster.num_nodes=four"], "cluster.num_nodes", "expected an integer"),
-    (["runtime.max_tokens=1.5"], "runtime.max_tokens", "expected an integer"),
-    (["runtime.env_params=[1]"], "runtime.env_params", "expected a mapping"),
+    (["agent.max_tokens=1.5"], "agent.max_tokens", "expected an integer"),
+    (["agent.env_params=[1]"], "agent.env_params", "expected a mapping"),
     (["scheduler.policy=elastc"], "scheduler.policy", "did you mean 'elastic'"),
     (["cluster.num_nodes=0"], "cluster.num_nodes", "must be > 0"),
     (["cluster.num_nodes=6", "cluster.cell_nodes=4"], "cluster.cell_nodes", "divisor"),
-    (["runtime.model_heads=0"], "runtime.model_heads", "must be > 0"),
-    (["runtime.model_heads=3"], "runtime.model_heads", "must divide"),
-    (["runtime.temperature=-1"], "runtime.temperature", "must be >= 0"),
-    (["runtime.clip_eps=0"], "runtime.clip_eps", "must be > 0"),
-    (["runtime.run_timeout_s=.nan"], "runtime.run_timeout_s", "got nan"),
-    (["runtime.agent_lost_s=0.5"], "runtime.agent_lost_s", "set it to at least 1"),
-    (["runtime.engine_strikes=0"], "runtime.engine_strikes", "must be > 0"),
-    (["runtime.max_engine_restarts=-1"], "runtime.max_engine_restarts", "must be >= 0"),
-    (["runtime.max_run_attempts=2.5"], "runtime.max_run_attempts", "expected an integer"),
-    (["runtime.engine_handoff_timeout_s=0"], "runtime.engine_handoff_timeout_s",
+    (["model.heads=0"], "model.heads", "must be > 0"),
+    (["model.heads=3"], "model.heads", "must divide"),
+    (["agent.temperature=-1"], "agent.temperature", "must be >= 0"),
+    (["optimizer.lr=0"], "optimizer.lr", "must be > 0"),
+    (["agent.run_timeout_s=.nan"], "agent.run_timeout_s", "got nan"),
+    (["faults.agent_lost_s=0.5"], "faults.agent_lost_s", "set it to at least 1"),
+    (["faults.engine_strikes=0"], "faults.engine_strikes", "must be > 0"),
+    (["faults.max_engine_restarts=-1"], "faults.max_engine_restarts", "must be >= 0"),
+    (["faults.max_run_attempts=2.5"], "faults.max_run_attempts", "expected an integer"),
+    (["faults.engine_handoff_timeout_s=0"], "faults.engine_handoff_timeout_s",
      "must be > 0"),
-    (["runtime.env=nope"], "runtime.env", "learnable, longhorizon, shell"),
-    (["runtime.env_params={bogus: 1}"], "runtime.env_params", "'bogus'"),
-    (["runtime.node_addr_prefix=127.0.300."], "runtime.node_addr_prefix", "127.X.Y."),
-    (["runtime.launcher=local", "cluster.num_nodes=300", "cluster.cell_nodes=100"],
-     "cluster.num_nodes", "runtime.launcher: slurm"),
+    (["agent.env=nope"], "agent.env", "learnable, longhorizon, shell"),
+    (["agent.env_params={bogus: 1}"], "agent.env_params", "'bogus'"),
+    (["cluster.node_addr_prefix=127.0.300."], "cluster.node_addr_prefix", "127.X.Y."),
+    (["cluster.launcher=local", "cluster.num_nodes=300", "cluster.cell_nodes=100"],
+     "cluster.num_nodes", "cluster.launcher: slurm"),
     (["name=../elsewhere"], "name", "names run dirs"),
     (["scheduler.train_reserve_s=-1"], "scheduler.train_reserve_s", "must be >= 0"),
     (["workload.duration.max_s=0"], "workload.duration.max_s", "must be > 0"),
@@ -77,10 +77,10 @@ BAD = [
     (["cluster.gpus_per_node=8", "rollout.tensor_parallel=3"], "rollout.tensor_parallel",
      "must divide cluster.gpus_per_node"),
     (["rollout.release=sleep"], "rollout.release: sleep", "rollout.engine: vllm"),
-    (["rollout.engine=vllm", "rollout.python=env:vllm"], "runtime.model_heads",
+    (["rollout.engine=vllm", "rollout.python=env:vllm"], "model.heads",
      "vLLM's CPU attention"),
-    (["rollout.engine=vllm", "rollout.python=env:vllm", "runtime.model_heads=2",
-      "rollout.max_model_len=16"], "runtime.max_tokens", "raise max_model_len"),
+    (["rollout.engine=vllm", "rollout.python=env:vllm", "model.heads=2",
+      "rollout.max_model_len=16"], "agent.max_tokens", "raise max_model_len"),
     (["rollout.python="], "rollout.python", "is empty"),
 ]
 
@@ -120,9 +120,9 @@ def test_gyre_run_refuses_before_starting_anything(gyre, bad_config, tmp_path):
     assert "Traceback" not in proc.stderr
     assert not run_dir.exists()  # no config.yaml, secret, logs/agent-*, events.jsonl
     # an override that breaks a good config is refused the same way
-    proc = gyre("run", str(TINY), "--run-dir", str(run_dir), "--set", "runtime.env=nope",
+    proc = gyre("run", str(TINY), "--run-dir", str(run_dir), "--set", "agent.env=nope",
                 check=False)
-    assert proc.returncode == 2 and "runtime.env = 'nope'" in proc.stderr
+    assert proc.returncode == 2 and "agent.env = 'nope'" in proc.stderr
     assert not run_dir.exists()
 
 

@@ -24,9 +24,9 @@ from test_runtime_e2e import FAST, ROOT
 # the only thing that changes the layout.
 # Engines are checked faster than by default (a hang is found in ~6 s, not ~21 s).
 ASYNC = FAST + ["scheduler.policy=async",
-                "runtime.env_params={tool_mean_s: 1.0, tool_sigma: 0.3, tool_max_s: 3.0}",
-                "runtime.engine_check_s=1", "runtime.engine_health_timeout_s=2",
-                "runtime.engine_strikes=2"]
+                "agent.env_params={tool_mean_s: 1.0, tool_sigma: 0.3, tool_max_s: 3.0}",
+                "faults.engine_check_s=1", "faults.engine_health_timeout_s=2",
+                "faults.engine_strikes=2"]
 
 
 def start_run(run_dir: Path, *extra: str, failpoint: str | None = None) -> subprocess.Popen:
@@ -161,7 +161,7 @@ def test_a_node_lost_while_its_cell_joins_the_training_world(tmp_path):
     num_steps = 6
     proc = start_run(run_dir, f"workload.num_steps={num_steps}", "scheduler.policy=elastic",
                      "scheduler.forecast=false", "scheduler.hysteresis=0",
-                     "runtime.policy_interval_s=0.2")
+                     "scheduler.interval_s=0.2")
     try:
         layout = faults.wait_event(run_dir, "layout", timeout_s=120)
         assert layout["roles"][:3] == ["rollout", "train", "rollout"], layout
@@ -240,7 +240,7 @@ def test_a_member_lost_while_another_cell_joins_resumes_the_handoff(tmp_path):
     num_steps = 6
     proc = start_run(run_dir, f"workload.num_steps={num_steps}", "scheduler.policy=elastic",
                      "scheduler.forecast=false", "scheduler.hysteresis=0",
-                     "runtime.policy_interval_s=0.2", failpoint="join:1:2")
+                     "scheduler.interval_s=0.2", failpoint="join:1:2")
     try:
         layout = faults.wait_event(run_dir, "layout", timeout_s=120)
         assert layout["roles"][:2] == ["rollout", "train"], layout
@@ -309,10 +309,10 @@ def test_a_crashed_vllm_server_is_restarted_on_its_cell(tmp_path):
     num_steps = 10
     proc = start_run(run_dir, f"workload.num_steps={num_steps}", *VLLM,
                      "cluster.num_nodes=3", "scheduler.async_rollout_cells=2",
-                     "runtime.env_params={tool_mean_s: 2.0, tool_sigma: 0.3, tool_max_s: 4.0}",
+                     "agent.env_params={tool_mean_s: 2.0, tool_sigma: 0.3, tool_max_s: 4.0}",
                      # the defaults: a busy vLLM-CPU server may take seconds to answer
-                     "runtime.engine_check_s=2", "runtime.engine_health_timeout_s=5",
-                     "runtime.engine_strikes=3")
+                     "faults.engine_check_s=2", "faults.engine_health_timeout_s=5",
+                     "faults.engine_strikes=3")
     try:
         faults.wait_for(lambda: running_runs(run_dir), timeout_s=300, what="runs running")
         crashed = faults.vllm_pid(run_dir, 1)
@@ -348,12 +348,12 @@ def test_an_engine_hung_while_its_cell_trains_is_replaced_when_it_rolls_out(tmp_
     """Colocate (every cell trains, then every cell rolls out, each step): node 1's
     released engine is stopped (SIGSTOP) while its cell trains. Health checks skip a
     cell that trains, so the hang shows when the cell rolls out again: the resume gets no
-    answer within runtime.engine_handoff_timeout_s, the agent kills the engine and
+    answer within faults.engine_handoff_timeout_s, the agent kills the engine and
     starts a new one (`engine_replaced`), and the job finishes with nothing lost."""
     run_dir = tmp_path / "run"
     num_steps = 3
     proc = start_run(run_dir, f"workload.num_steps={num_steps}", "scheduler.policy=colocate",
-                     "runtime.engine_handoff_timeout_s=3")
+                     "faults.engine_handoff_timeout_s=3")
     try:
         faults.wait_event(run_dir, "handoff", direction="rollout->train", timeout_s=120)
         hung = faults.engine_pid(run_dir, 1)

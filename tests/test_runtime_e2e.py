@@ -24,8 +24,8 @@ pytestmark = pytest.mark.slow
 
 FAST = [
     "workload.num_steps=3", "workload.prompts_per_step=2", "workload.group_size=4",
-    "runtime.runs_per_cell=4", "runtime.max_tokens=8",
-    "runtime.env_params={tool_mean_s: 0.4, tool_sigma: 1.0, tool_max_s: 3.0}",
+    "rollout.runs_per_node=4", "agent.max_tokens=8",
+    "agent.env_params={tool_mean_s: 0.4, tool_sigma: 1.0, tool_max_s: 3.0}",
     "scheduler.confirm_s=0.3", "scheduler.min_dwell_s=0.5", "workload.duration.mean_s=0.4",
 ]
 
@@ -97,8 +97,8 @@ def test_elastic_moves_cells_both_ways(tmp_path):
     # and a fast policy tick, so that both directions happen in a short run.
     run_dir = tmp_path / "elastic"
     proc = gyre_run(run_dir, *FAST, "workload.num_steps=6", "scheduler.forecast=false",
-                    "scheduler.hysteresis=0", "runtime.policy_interval_s=0.2",
-                    "runtime.env_params={tool_mean_s: 1.0, tool_sigma: 0.5, tool_max_s: 3.0}")
+                    "scheduler.hysteresis=0", "scheduler.interval_s=0.2",
+                    "agent.env_params={tool_mean_s: 1.0, tool_sigma: 0.5, tool_max_s: 3.0}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     events = check_run_dir(run_dir, num_steps=6)
     directions = Counter(e["direction"] for e in events if e["kind"] == "handoff")
@@ -167,10 +167,10 @@ def test_gyre_status_reads_a_run_dir(tmp_path, gyre):
 def test_long_horizon_runs_compact_into_branches_that_all_train(tmp_path):
     run_dir = tmp_path / "lh"
     proc = gyre_run(run_dir, "workload.num_steps=2", "workload.prompts_per_step=2",
-                    "workload.group_size=2", "runtime.env=longhorizon", "runtime.max_turns=12",
-                    "runtime.env_params={median_turns: 6, max_turns: 12, tool_mean_s: 0.1, "
+                    "workload.group_size=2", "agent.env=longhorizon", "agent.max_turns=12",
+                    "agent.env_params={median_turns: 6, max_turns: 12, tool_mean_s: 0.1, "
                     "tool_max_s: 0.5, result_tokens: 60}",
-                    "runtime.context_budget_tokens=400", "scheduler.confirm_s=0.3")
+                    "agent.context_budget_tokens=400", "scheduler.confirm_s=0.3")
     assert proc.returncode == 0, proc.stderr[-4000:]
     check_run_dir(run_dir, num_steps=2)
     records = list(read_jsonl(run_dir / "runs" / "runs.jsonl"))

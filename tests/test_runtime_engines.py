@@ -41,7 +41,7 @@ def test_a_missing_trainer_interpreter_is_refused_before_any_step(tmp_path):
     assert not [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "step"]
 
 
-VLLM = ["rollout.engine=vllm", "rollout.python=env:vllm", "runtime.model_heads=2",
+VLLM = ["rollout.engine=vllm", "rollout.python=env:vllm", "model.heads=2",
         "rollout.max_model_len=512"]
 
 
@@ -123,12 +123,12 @@ def test_release_stop_stops_servers_and_starts_them_again(tmp_path):
 
 
 def test_shell_sandbox_runs_through_the_runtime(tmp_path):
-    """`runtime.env: shell`: every run works in its own sandboxed workdir under
+    """`agent.env: shell`: every run works in its own sandboxed workdir under
     RUN_DIR/sandboxes (removed when the run ends), is scored by its task's tests, and
     its calls train like any other run's."""
     run_dir = tmp_path / "shell"
-    proc = gyre_run(run_dir, *FAST, "runtime.env=shell", "runtime.max_turns=3",
-                    "runtime.max_tokens=24", "runtime.env_params={max_steps: 2, time_s: 5}")
+    proc = gyre_run(run_dir, *FAST, "agent.env=shell", "agent.max_turns=3",
+                    "agent.max_tokens=24", "agent.env_params={max_steps: 2, time_s: 5}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     check_run_dir(run_dir, num_steps=3)
     records = list(read_jsonl(run_dir / "runs" / "runs.jsonl"))
@@ -139,7 +139,7 @@ def test_shell_sandbox_runs_through_the_runtime(tmp_path):
 
 def test_a_bad_environment_setting_is_refused_before_any_run(tmp_path):
     run_dir = tmp_path / "badenv"
-    proc = gyre_run(run_dir, *FAST, "runtime.env=shell", "runtime.env_params={isolation: nope}")
+    proc = gyre_run(run_dir, *FAST, "agent.env=shell", "agent.env_params={isolation: nope}")
     assert proc.returncode != 0
     assert "isolation must be one of" in proc.stderr
     assert not (run_dir / "runs" / "started.jsonl").exists() or \

@@ -49,7 +49,7 @@ def test_sweep_runs_each_value(gyre):
     assert [p["value"] for p in out["points"]] == [1, 2]
     seeds = json.loads(gyre("sim", "--preset", "small", "--no-ablations", "--json",
                             "--sweep", "seed=1,2").stdout)
-    assert seeds["sweep"] == "sim.seed"
+    assert seeds["sweep"] == "seed"
     a, b = (p["policies"]["elastic"]["makespan_s"] for p in seeds["points"])
     assert a != b  # another seed, another workload
     unknown = gyre("sim", "--preset", "small", "--sweep", "nosuchkey=1,2", check=False)

@@ -12,7 +12,7 @@ from gyre_slurm.sched.policies import duration_model
 from gyre_slurm.sim.workload import sample_workload
 
 BASE = ["workload.num_steps=6", "workload.prompts_per_step=4", "workload.group_size=4",
-        "workload.duration.mean_s=100", "workload.duration.sigma=0.5", "sim.seed=3"]
+        "workload.duration.mean_s=100", "workload.duration.sigma=0.5", "seed=3"]
 
 
 def with_phases(text: str, *extra: str):
@@ -44,8 +44,8 @@ def test_growth_compounds_per_step_and_sigma_changes_the_spread():
 
 
 def test_turns_scale_the_simulated_runs_against_the_base_turns():
-    cfg = with_phases("[{from_step: 2, turns: 4}]", "runtime.max_turns=2")
-    plain = sample_workload(load_config(None, BASE + ["runtime.max_turns=2"]))
+    cfg = with_phases("[{from_step: 2, turns: 4}]", "agent.max_turns=2")
+    plain = sample_workload(load_config(None, BASE + ["agent.max_turns=2"]))
     w = sample_workload(cfg)
     assert np.allclose(w.work_s[w.batch >= 2], 2 * plain.work_s[plain.batch >= 2])
 

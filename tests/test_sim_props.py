@@ -47,8 +47,8 @@ def configs(draw):
         f"training.max_staleness={draw(st.integers(0, 2))}",
         f"training.node_tokens_per_s={draw(st.sampled_from([200, 2000, 20000]))}",
         f"handoff.train_state_load_s={draw(st.sampled_from([0, 30]))}",
-        f"sim.seed={draw(st.integers(0, 2**16))}",
-        "sim.policy_interval_s=10",
+        f"seed={draw(st.integers(0, 2**16))}",
+        "scheduler.interval_s=10",
     ]
     return load_config(None, overrides)
 
@@ -108,8 +108,8 @@ def test_deterministic_for_a_seed(cfg, name):
 
 
 def test_seed_changes_the_workload():
-    a = sample_workload(load_config(None, ["sim.seed=1"]))
-    b = sample_workload(load_config(None, ["sim.seed=2"]))
+    a = sample_workload(load_config(None, ["seed=1"]))
+    b = sample_workload(load_config(None, ["seed=2"]))
     assert not np.array_equal(a.work_s, b.work_s)
 
 

@@ -19,15 +19,17 @@ pytestmark = pytest.mark.slow
 
 
 def small_config(tmp_path: Path, *, base: str = "tiny.yaml", num_steps: int = 4,
-                 **runtime) -> Path:
+                 **agent) -> Path:
     """configs/`base`, made quick: few short runs, a fast policy."""
     cfg = yaml.safe_load((ROOT / "configs" / base).read_text())
     cfg["workload"].update(num_steps=num_steps, prompts_per_step=2, group_size=4)
     cfg["workload"]["duration"] = {"mean_s": 1.0, "sigma": 0.5}
     cfg["scheduler"].update(confirm_s=0.3, min_dwell_s=0.5, forecast=False, hysteresis=0.0)
-    cfg["runtime"].update(runs_per_cell=4, max_tokens=8, policy_interval_s=0.2,
-                          env_params={"tool_mean_s": 1.0, "tool_sigma": 0.5, "tool_max_s": 3.0})
-    cfg["runtime"].update(runtime)
+    cfg["scheduler"]["interval_s"] = 0.2
+    cfg["rollout"]["runs_per_node"] = 4
+    cfg["agent"].update(max_tokens=8,
+                        env_params={"tool_mean_s": 1.0, "tool_sigma": 0.5, "tool_max_s": 3.0})
+    cfg["agent"].update(agent)
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path

@@ -1,4 +1,4 @@
-"""Every `training.loss` variant against a float64 reference written as plain loops: value
+"""Every `loss.kind` variant against a float64 reference written as plain loops: value
 and gradient, masked and unmasked tokens, per-token and per-sequence advantages."""
 
 import math
@@ -310,11 +310,11 @@ def test_settings_refuse_unknown_names(bad, match):
 
 
 @pytest.mark.parametrize("override,match", [
-    ("training.loss=ppo2", "training.loss"),
-    ("training.clip_eps_low=1.0", "clip_eps_low must be in \\(0, 1\\)"),
-    ("training.is_cap=0.5", "is_cap = 0.5 would down-weight on-policy tokens"),
-    ("training.is_band_high=0.9", "must hold 1"),
-    ("training.is_mask_level=row", "is_mask_level"),
+    ("loss.kind=ppo2", "loss.kind"),
+    ("loss.clip_eps_low=1.0", "clip_eps_low must be in \\(0, 1\\)"),
+    ("loss.is_cap=0.5", "is_cap = 0.5 would down-weight on-policy tokens"),
+    ("loss.is_band_high=0.9", "must hold 1"),
+    ("loss.is_mask_level=row", "is_mask_level"),
 ])
 def test_config_refuses_bad_loss_settings(override, match):
     from gyre_slurm.config.schema import load_config
@@ -322,6 +322,6 @@ def test_config_refuses_bad_loss_settings(override, match):
 
     with pytest.raises((ConfigError, ValueError), match=match):
         load_config(None, [override])
-    cfg = load_config(None, ["training.loss=masked_is", "training.is_mask_level=sequence"])
-    assert LossSettings.from_config(cfg.training) == LossSettings(
+    cfg = load_config(None, ["loss.kind=masked_is", "loss.is_mask_level=sequence"])
+    assert LossSettings.from_config(cfg.loss) == LossSettings(
         name="masked_is", is_mask_level="sequence")

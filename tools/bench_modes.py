@@ -136,10 +136,10 @@ def measure(run_dir: Path, cfg: GyreConfig) -> dict:
     cell_nodes = cfg.cluster.cell_nodes
     records = {r["run_id"]: r for r in read_jsonl(run_dir / "runs" / "runs.jsonl")}
 
-    # Busy: run slots in use (each run holds 1/runs_per_cell of a cell while it lasts)
+    # Busy: run slots in use (each run holds 1/cell_capacity of a cell while it lasts)
     # plus training compute (micro-batches and optimizer steps, times the train cells).
     rollout_busy = sum(r["t_end"] - r["t_start"] for r in records.values()) \
-        / cfg.runtime.runs_per_cell
+        / cfg.cell_capacity
     train_busy, members = 0.0, 1
     for e in events:
         if e["kind"] == "microbatch":
@@ -247,16 +247,13 @@ def sim_config(base: dict, label: str, costs: dict) -> GyreConfig:
                                                       cfg.training.node_tokens_per_s)
                              / cfg.cluster.cell_nodes,
                              optimizer_step_s=median(costs["optimizer_step_s"], 0.0))
-    ro = dataclasses.replace(cfg.rollout, runs_per_node=max(1, cfg.runtime.runs_per_cell
-                                                            // cfg.cluster.cell_nodes),
-                             weight_sync_s=median(costs["weight_sync_s"], 0.0),
+    ro = dataclasses.replace(cfg.rollout, weight_sync_s=median(costs["weight_sync_s"], 0.0),
                              reprefill_s=0.0,  # a migrated run re-reads a short context
                              # a drained cell's runs move at their next call; runs of one
                              # call never come back, so only calls in flight are waited for
                              call_interval_s=median(costs["call_s"], 0.2))
     wl = dataclasses.replace(cfg.workload, llm_time_fraction=0.0)
-    sim = dataclasses.replace(cfg.sim, policy_interval_s=cfg.runtime.policy_interval_s)
-    return dataclasses.replace(cfg, handoff=h, training=tr, rollout=ro, workload=wl, sim=sim)
+    return dataclasses.replace(cfg, handoff=h, training=tr, rollout=ro, workload=wl)
 
 
 def sim_policy(cfg: GyreConfig, label: str):

@@ -42,8 +42,8 @@ from gyre_slurm.runtime.metrics import read_metrics  # noqa: E402
 from gyre_slurm.train.loss import LOSS_NAMES  # noqa: E402
 
 BASE = ["training.max_staleness=4", "workload.prompts_per_step=4", "workload.group_size=8",
-        "runtime.max_turns=2",
-        "runtime.env_params={turns: 2, tool_mean_s: 1.0, tool_sigma: 1.0, tool_max_s: 8.0}"]
+        "agent.max_turns=2",
+        "agent.env_params={turns: 2, tool_mean_s: 1.0, tool_sigma: 1.0, tool_max_s: 8.0}"]
 
 
 def run(run_dir: Path, sets: list[str], *, timeout_s: float) -> float:
@@ -172,10 +172,10 @@ def main() -> int:
     if unknown:
         p.error(f"unknown loss(es) {sorted(unknown)}; choose from {', '.join(LOSS_NAMES)}")
     out = args.report or args.out or Path(tempfile.mkdtemp(prefix="gyre-offpolicy-"))
-    common = BASE + [f"workload.num_steps={args.steps}", f"sim.seed={args.seed}"]
-    plan = {"reference": common + ["runtime.temperature=1.0"]}
-    plan.update({loss: common + [f"runtime.temperature={args.temperature}",
-                                 f"training.loss={loss}"] for loss in losses})
+    common = BASE + [f"workload.num_steps={args.steps}", f"seed={args.seed}"]
+    plan = {"reference": common + ["agent.temperature=1.0"]}
+    plan.update({loss: common + [f"agent.temperature={args.temperature}",
+                                 f"loss.kind={loss}"] for loss in losses})
     runs, walls = {}, {}
     for name, sets in plan.items():
         if args.report is None:

@@ -70,7 +70,7 @@ def idle_cpu(tmp: Path) -> None:
     run_dir = tmp / "idle"
     proc = gyre_run(run_dir, "workload.num_steps=1", "workload.prompts_per_step=2",
                     "workload.group_size=2",
-                    "runtime.env_params={tool_mean_s: 40.0, tool_sigma: 0.0, tool_max_s: 60.0}")
+                    "agent.env_params={tool_mean_s: 40.0, tool_sigma: 0.0, tool_max_s: 60.0}")
     try:
         deadline = time.time() + 120
         while time.time() < deadline:

@@ -13,7 +13,7 @@ Checks, each timed, each a row of the table printed at the end:
               a published policy reloaded by transformers with the same log-probs, a
               handoff through a checkpoint that restores the state bit for bit
   bf16        the tiny model in bf16 against fp32 (log-prob difference), a bf16 step
-  losses      every training.loss trains a micro-batch sampled by the model in bf16 (a
+  losses      every loss.kind trains a micro-batch sampled by the model in bf16 (a
               bf16 sampler against the fp32 trainer): finite loss, entropy and grad norm,
               and the trainer/sampler mismatch it reports
   megatron    Megatron-core TP=1/PP=1 with its real CUDA path (no CPU shim): weights from
@@ -204,7 +204,7 @@ def check_bf16(args, model_dir: Path, work: Path):
 
 @check("losses")
 def check_losses(args, store_port, gens, model_dir: Path, work: Path):
-    """Every training.loss trains a micro-batch whose sampling logprobs come from the
+    """Every loss.kind trains a micro-batch whose sampling logprobs come from the
     model in bf16 (a bf16 sampler against the fp32 trainer): finite loss and signals,
     and the mismatch they report is the bf16/fp32 difference."""
     import torch

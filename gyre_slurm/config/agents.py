@@ -18,23 +18,24 @@ under `RUN_DIR/external/calls/` (never trained) and never count as the job's run
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from gyre_slurm.config.loader import FieldError
+from gyre_slurm.config.loader import FieldError, key
 
 JOB_RUN_ID = re.compile(r"s\d")  # the job's run ids: s0000-p000-g00[-aN]
 PREFIX = re.compile(r"[A-Za-z0-9_.:@+-]{1,40}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExternalRunsConfig:
     """Runs the coordinator did not start (a user's own agents against the job's policy)."""
 
-    enabled: bool = False  # refuse every run the coordinator did not start
-    prefix: str = "ext-"  # external run ids start with it; the job's never do
-    max_runs: int = 64  # live external runs at once (a registration beyond: 429)
-    idle_timeout_s: float = 600.0  # an external run with no call this long ends
-    max_run_s: float = 7200.0  # an external run ends this long after it registered
+    enabled: bool = key(False, "accept runs the coordinator did not start (false: refuse "
+                               "every such run)")
+    prefix: str = key("ext-", "external run ids start with it; the job's never do")
+    max_runs: int = key(64, "live external runs at once (a registration beyond: 429)")
+    idle_timeout_s: float = key(600.0, "an external run with no call this long ends")
+    max_run_s: float = key(7200.0, "an external run ends this long after it registered")
 
     def __post_init__(self) -> None:
         if not PREFIX.fullmatch(self.prefix) or JOB_RUN_ID.match(self.prefix):
@@ -45,12 +46,14 @@ class ExternalRunsConfig:
                 raise FieldError(name, f"must be > 0, got {getattr(self, name)}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GatewayConfig:
     """The OpenAI-compatible gateway in front of the rollout servers."""
 
-    default_max_tokens: int | None = None  # for requests naming none (None: the context's room)
-    external: ExternalRunsConfig = field(default_factory=ExternalRunsConfig)
+    default_max_tokens: int | None = key(
+        None, "max_tokens of a request naming none (null: the room left in the context)")
+    external: ExternalRunsConfig = key(factory=ExternalRunsConfig,
+                                       help=ExternalRunsConfig.__doc__)
 
     def __post_init__(self) -> None:
         if self.default_max_tokens is not None and self.default_max_tokens < 1:

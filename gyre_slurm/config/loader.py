@@ -9,6 +9,8 @@ through the same checks. Values of overrides are parsed as YAML scalars (`4`, `0
 
 A section's `__post_init__` raises `FieldError(key, message)`: loading reports it as
 `section.key message` with the full key path (`workload.duration.mean_s must be > 0`).
+A schema declares each field with `key(default, "description")`. A class with a
+`RENAMED` mapping (old key path -> what replaced it) refuses those keys by name.
 """
 
 from __future__ import annotations
@@ -26,6 +28,18 @@ import yaml
 from gyre_slurm.errors import ConfigError
 
 T = TypeVar("T")
+
+
+HELP = "help"  # the metadata key of a config field's description
+
+
+def key(default: Any = dataclasses.MISSING, help: str = "", *,
+        factory: Any = dataclasses.MISSING) -> Any:
+    """A config field with its description (`gyre config keys` prints it)."""
+    assert help, "every config key needs a description"
+    if factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=factory, metadata={HELP: help})
+    return dataclasses.field(default=default, metadata={HELP: help})
 
 
 class FieldError(ValueError):
@@ -84,6 +98,9 @@ def from_dict(cls: type[T], data: Any, *, path: str = "") -> T:
         raise ConfigError(f"{path or '<top>'}: expected a mapping, got {_describe(data)}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = typing.get_type_hints(cls)
+    moved = _renamed(data, getattr(cls, "RENAMED", {}), fields)
+    if moved:
+        raise ConfigError("; ".join(moved) + " (`gyre config keys` lists every key)")
     for key in data:
         if key not in fields:
             raise ConfigError(_unknown_key_message(path, str(key), list(fields)))
@@ -192,6 +209,19 @@ def _convert_scalar(tp: Any, value: Any, *, path: str) -> Any:
             raise ConfigError(f"{path}: expected a string, got {_describe(value)}")
         return value
     raise TypeError(f"config schema uses an unsupported type {tp!r} at {path}")
+
+
+def _renamed(data: dict, renamed: dict[str, str], fields: dict) -> list[str]:
+    """Keys of an older layout in `data` (`section.key` or a whole section), each with
+    what replaced it."""
+    out = []
+    for section, values in data.items():
+        found = [f"{section}.{k}" for k in values if f"{section}.{k}" in renamed] \
+            if isinstance(values, dict) else []
+        out += [f"{old} is now {renamed[old]}" for old in found]
+        if not found and section not in fields and section in renamed:
+            out.append(f"{section} is {renamed[section]}")
+    return out
 
 
 def _unknown_key_message(path: str, key: str, valid: list[str]) -> str:

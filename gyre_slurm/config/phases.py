@@ -23,21 +23,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from gyre_slurm.config.loader import FieldError
+from gyre_slurm.config.loader import FieldError, key
 
 
 @dataclass(frozen=True, kw_only=True)
 class PhaseConfig:
     """The workload from step `from_step` on, until the next phase starts."""
 
-    from_step: int = 0  # first training step of the phase (phases in increasing order)
-    duration_scale: float = 1.0  # run durations x this (mean_s, max_s, a trace's values)
-    sigma: float | None = None  # log-normal sigma of durations here (None: the workload's)
-    tokens_scale: float = 1.0  # trained tokens per run x this
-    turns: int | None = None  # agent turns per run (real runs: runtime.max_turns and the
-    #                           env's `turns`); the simulator scales durations and tokens
-    #                           by turns / runtime.max_turns
-    growth_per_step: float = 0.0  # durations and tokens x (1 + this) per step into the phase
+    from_step: int = key(0, "first training step of the phase (phases in increasing order)")
+    duration_scale: float = key(1.0, "run durations x this (mean_s, max_s, a trace's values)")
+    sigma: float | None = key(None, "log-normal sigma of durations here (null: the "
+                                    "workload's)")
+    tokens_scale: float = key(1.0, "trained tokens per run x this")
+    turns: int | None = key(None, "agent turns per run (real runs: agent.max_turns and the "
+                                  "env's turns); the simulator scales durations and tokens "
+                                  "by turns / agent.max_turns")
+    growth_per_step: float = key(0.0, "durations and tokens x (1 + this) per step into the "
+                                      "phase")
 
     def __post_init__(self) -> None:
         if self.from_step < 0:
@@ -69,13 +71,13 @@ class StepShape:
         (`takes`: its parameter names; None: any)."""
         out = dict(params)
 
-        def has(key: str) -> bool:
-            return takes is None or key in takes
+        def has(name: str) -> bool:
+            return takes is None or name in takes
 
         if self.duration_scale != 1.0:
-            for key in ("tool_mean_s", "tool_max_s"):
-                if key in out:
-                    out[key] = float(out[key]) * self.duration_scale
+            for name in ("tool_mean_s", "tool_max_s"):
+                if name in out:
+                    out[name] = float(out[name]) * self.duration_scale
         if self.sigma is not None and has("tool_sigma"):
             out["tool_sigma"] = self.sigma
         if self.turns is not None and has("turns"):
@@ -118,5 +120,5 @@ def shape_at(phases: Sequence[PhaseConfig], step: int, *, base_turns: int) -> St
 
 def step_shape(cfg, step: int) -> StepShape:
     """`shape_at` for a whole config (a GyreConfig: turns are relative to
-    runtime.max_turns)."""
-    return shape_at(cfg.workload.phases, step, base_turns=cfg.runtime.max_turns)
+    agent.max_turns)."""
+    return shape_at(cfg.workload.phases, step, base_turns=cfg.agent.max_turns)

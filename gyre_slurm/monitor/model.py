@@ -30,9 +30,10 @@ Derived figures (all from events unless said otherwise):
                   lengths: gyre_slurm/train/metrics.py), from its `step` event; the same
                   figures are in metrics.jsonl and the TensorBoard files.
   rollout slots   mean over status.json waterlevel_history samples (those with a rollout
-                  cell) of in_flight / (rollout_cells x runtime.runs_per_cell from the run
-                  dir's config.yaml): how full the rollout cells' run slots were. The
-                  waterlevel itself is (in_flight + queued) / runs_per_cell: demand in cells.
+                  cell) of in_flight / (rollout_cells x the runs a cell serves,
+                  rollout.runs_per_node x cluster.cell_nodes of the run dir's config.yaml):
+                  how full the rollout cells' run slots were. The waterlevel itself is
+                  (in_flight + queued) / the runs a cell serves: demand in cells.
 """
 
 from __future__ import annotations
@@ -265,7 +266,9 @@ def runs_per_cell(run_dir: Path) -> int | None:
 
     try:
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-        return int(cfg["runtime"]["runs_per_cell"])
+        if "runtime" in cfg:  # a run dir of the older config layout
+            return int(cfg["runtime"]["runs_per_cell"])
+        return int(cfg["rollout"]["runs_per_node"]) * int(cfg["cluster"]["cell_nodes"])
     except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
         return None
 

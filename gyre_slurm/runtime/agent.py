@@ -4,7 +4,7 @@
         --coordinator http://HOST:PORT
 
 It serves authenticated commands (`gyre_slurm.runtime.control`) on its node's address,
-registers with the coordinator, and sends a heartbeat every `runtime.heartbeat_s`. It
+registers with the coordinator, and sends a heartbeat every `faults.heartbeat_s`. It
 owns this node's part of a rollout server (an engine process, kept across handoffs and
 released / resumed) and its training ranks: one long-lived process per local rank
 (`train.rankproc`), started at registration and kept across handoffs, so a handoff
@@ -51,7 +51,7 @@ class NodeAgent:
         self.roles = read_roles(self.rd.path)
         self.engines = NodeEngines(node_index=node_index, count=self.cfg.servers_per_node,
                                    start_one=self._start_one, make_client=self._client,
-                                   handoff_timeout_s=self.cfg.runtime.engine_handoff_timeout_s)
+                                   handoff_timeout_s=self.cfg.faults.engine_handoff_timeout_s)
         self.ranks = None  # runtime.ranks.RankProcesses, once started
         self._ranks_started: asyncio.Task | None = None  # their one start, awaited by all
         self.stopping = asyncio.Event()
@@ -96,7 +96,7 @@ class NodeAgent:
                     log.error("coordinator unreachable for %.0fs (%s): exiting", ORPHAN_S, exc)
                     self.stopping.set()
                     return
-            await asyncio.sleep(self.cfg.runtime.heartbeat_s)
+            await asyncio.sleep(self.cfg.faults.heartbeat_s)
 
     async def handle(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
@@ -215,15 +215,15 @@ class NodeAgent:
         from gyre_slurm.runtime.ranks import RankProcesses, rank_envs
         from gyre_slurm.runtime.roles import PACKAGE_ROOT, command_prefix
 
-        tr, rt, n = self.cfg.trainer, self.cfg.runtime, self.cfg.ranks_per_node
+        tr, opt, n = self.cfg.trainer, self.cfg.optimizer, self.cfg.ranks_per_node
         role = self.roles["trainer"]
         base = command_prefix(role, run_dir=self.rd.path) + [
             role["python"], "-m", "gyre_slurm.train.rankproc", "--backend", tr.backend,
             "--model-dir", str(self.rd.model_dir), "--node-index", str(self.node_index),
-            "--lr", str(rt.lr), "--seed", str(self.cfg.sim.seed),
-            "--grad-clip", str(tr.grad_clip), "--tp", str(tr.tensor_parallel),
+            "--lr", str(opt.lr), "--seed", str(self.cfg.seed),
+            "--grad-clip", str(opt.grad_clip), "--tp", str(tr.tensor_parallel),
             "--pp", str(tr.pipeline_parallel),
-            "--loss", json.dumps(self.cfg.training.loss_settings)]
+            "--loss", json.dumps(self.cfg.loss.settings)]
         envs = rank_envs(n, gpus=self.cfg.cluster.gpus_per_node)
         for env in envs:
             env["PYTHONPATH"] = os.pathsep.join(

@@ -12,7 +12,7 @@ loaded by every rollout server, a checkpoint after each step). `status.json` is
 rewritten about once a second; everything that happens lands in `events.jsonl`.
 
 Faults it survives (`gyre_slurm.runtime.recovery` has the rules): a node agent that
-stops answering (heartbeats silent for `runtime.agent_lost_s`, or its port closed) has
+stops answering (heartbeats silent for `faults.agent_lost_s`, or its port closed) has
 its cell marked `failed`; the runs on that cell's servers continue on other servers (a
 run whose call was in flight there restarts as a new attempt); the training world is
 rebuilt without it and the step's micro-batches are trained again from the state after
@@ -66,9 +66,9 @@ class Coordinator:
         w = cfg.workload
         self.book = StepBook(num_steps=w.num_steps, prompts_per_step=w.prompts_per_step,
                              group_size=w.group_size, staleness=stale)
-        self.launcher = make_launcher(cfg.runtime.launcher, run_dir=self.rd.path,
+        self.launcher = make_launcher(cfg.cluster.launcher, run_dir=self.rd.path,
                                       num_nodes=cfg.cluster.num_nodes,
-                                      addr_prefix=cfg.runtime.node_addr_prefix)
+                                      addr_prefix=cfg.cluster.node_addr_prefix)
         self.addr0 = self.launcher.coordinator_addr()  # node 0's own address
         self.agents: dict[int, ControlClient] = {}
         self.heartbeats: dict[int, float] = {}
@@ -100,12 +100,12 @@ class Coordinator:
         if self.resume:
             return checkpoint.load_for_resume(self)
         self.rd.create(self.cfg)
-        rt = self.cfg.runtime
-        tiny.make_model_dir(self.rd.model_dir, hidden_size=rt.model_hidden_size,
-                            num_layers=rt.model_layers, num_heads=rt.model_heads,
-                            family=rt.model_family,
+        model = self.cfg.model
+        tiny.make_model_dir(self.rd.model_dir, hidden_size=model.hidden_size,
+                            num_layers=model.layers, num_heads=model.heads,
+                            family=model.family,
                             max_positions=max(4096, self.cfg.rollout.max_model_len))
-        tiny.save_weights(tiny.new_model(self.rd.model_dir, seed=self.cfg.sim.seed),
+        tiny.save_weights(tiny.new_model(self.rd.model_dir, seed=self.cfg.seed),
                           tiny.weights_dir(self.rd.path, 0))
         return 0
 
@@ -284,7 +284,7 @@ class Coordinator:
 
     def capacity(self) -> int:
         serving = [c for c in self.table.ids(Role.ROLLOUT) if c not in self.busy_cells]
-        return len(serving) * self.cfg.runtime.runs_per_cell
+        return len(serving) * self.cfg.cell_capacity
 
     async def policy_loop(self) -> None:
         from gyre_slurm.runtime import handoff
@@ -303,19 +303,18 @@ class Coordinator:
                 self.rd.event("decision", **fields)
             if decisions:
                 handoff.start(self, decisions)
-            await asyncio.sleep(self.cfg.runtime.policy_interval_s)
+            await asyncio.sleep(self.cfg.scheduler.interval_s)
 
     async def training_loop(self) -> None:
         from gyre_slurm.runtime import checkpoint
 
-        rt = self.cfg.runtime
         while not self.book.done():
             async with self.world.lock:
                 try:
                     trained = await self.train_one() if self.world.members else False
                     if not trained and self.world.members and self.book.step_complete():
                         await self.finish_step()
-                        if (self.book.version % rt.checkpoint_every_steps == 0
+                        if (self.book.version % self.cfg.training.checkpoint_every_steps == 0
                                 or self.book.done()):
                             await checkpoint.save(self)
                         continue
@@ -342,8 +341,8 @@ class Coordinator:
         stats = await self.world.train_microbatch(batch, self.rd.stream_file(step, index))
         self.training_now = None
         tokens = sum(len(t["token_ids"]) for t in batch)
-        pace = self.cfg.trainer.pace_node_tokens_per_s
-        if pace:  # emulated accelerators: see TrainerConfig.pace_node_tokens_per_s
+        if self.cfg.trainer.pace:  # emulated accelerators: see TrainerConfig.pace
+            pace = self.cfg.training.node_tokens_per_s
             hold = tokens / (pace * len(self.world.members)) - (time.monotonic() - t0)
             if hold > 0:
                 await asyncio.sleep(hold)
@@ -399,7 +398,7 @@ class Coordinator:
         rate = statistics.median(self.train_rate[-20:]) if self.train_rate else 1000.0
         traj_tokens = [len(t["token_ids"]) for s in self.book.steps for t in s.ready]
         return Observation(
-            now_s=now, cells=cells, cell_capacity=self.cfg.runtime.runs_per_cell,
+            now_s=now, cells=cells, cell_capacity=self.cfg.cell_capacity,
             runs_in_flight=self.rollouts.in_flight(), runs_queued=len(self.book.pending()),
             runs_future=self.book.future(),
             run_elapsed_s=np.asarray(self.rollouts.elapsed_s(time.time())),
@@ -421,7 +420,7 @@ class Coordinator:
         queued = len(self.book.pending())
         sample = {"t": round(time.time() - self.t0, 2), "in_flight": in_flight,
                   "queued": queued,
-                  "waterlevel": round((in_flight + queued) / self.cfg.runtime.runs_per_cell, 3),
+                  "waterlevel": round((in_flight + queued) / self.cfg.cell_capacity, 3),
                   "rollout_cells": len(self.table.heading_to(Role.ROLLOUT)) if self.table else 0,
                   "train_cells": len(self.table.heading_to(Role.TRAIN)) if self.table else 0}
         self.waterlevel_history.append(sample)
@@ -454,12 +453,12 @@ class Coordinator:
     async def status_loop(self) -> None:
         while True:
             self.write_status()
-            await asyncio.sleep(self.cfg.runtime.status_interval_s)
+            await asyncio.sleep(self.cfg.monitor.status_interval_s)
 
     async def watch_agents(self) -> None:
-        """A node agent silent for `runtime.agent_lost_s` is lost: its cell fails and the
+        """A node agent silent for `faults.agent_lost_s` is lost: its cell fails and the
         job goes on without it (`recovery.node_lost`)."""
-        lost_s = self.cfg.runtime.agent_lost_s
+        lost_s = self.cfg.faults.agent_lost_s
         while True:
             if self.failure is not None:
                 raise self.failure

@@ -12,7 +12,7 @@ is added to the gateway (`engine_start_s`). Decisions of one tick that go the sa
 are executed together: one drain wait, one rebuild.
 
 Faults (`recovery`): nodes of failed cells never join a world. An engine that does not
-release or resume within `runtime.engine_handoff_timeout_s` (hung, or dead while its
+release or resume within `faults.engine_handoff_timeout_s` (hung, or dead while its
 cell trained) is killed by its agent, and new engines start in its place
 (`engine_replaced`): a hung engine never holds a handoff. A handoff that fails
 because its cells were lost (each of them marked failed) ends there; the job goes on
@@ -129,7 +129,7 @@ async def bring_up_engine(coord, cell: int) -> float:
     coord.engine_clients[cell] = clients
     for sid, client in clients.items():
         coord.gateway.add_server(sid, client, capacity=max(
-            1, coord.cfg.runtime.runs_per_cell // len(clients)))
+            1, coord.cfg.cell_capacity // len(clients)))
     return max(float(res.get("engine_start_s", 0.0)) for res in results)
 
 

@@ -3,7 +3,7 @@
 agent is lost: whatever of it still runs is ended, as if the node had gone down).
 
 - `LocalLauncher` runs them as local processes ("virtual nodes"), node i bound to its
-  own loopback address (`runtime.node_addr_prefix` + (i + 1)), as a real node would be.
+  own loopback address (`cluster.node_addr_prefix` + (i + 1)), as a real node would be.
 - `SlurmLauncher` (inside a Slurm allocation) starts them as ONE job step:
   `srun --overlap --nodes=N --ntasks-per-node=1 ... gyre_slurm.runtime.agent --addr auto`;
   each agent takes its node index from SLURM_NODEID and binds to its node's own address

@@ -228,7 +228,7 @@ class NodeEngines:
             await asyncio.wait_for(asyncio.gather(*calls), limit)
             return None
         except asyncio.TimeoutError:
-            why = f"{what} got no answer within {limit:g} s (runtime.engine_handoff_timeout_s)"
+            why = f"{what} got no answer within {limit:g} s (faults.engine_handoff_timeout_s)"
         except (EngineError, OSError) as exc:
             why = f"{what} failed: {type(exc).__name__}: {exc}"
         await self._kill_all(f"engine {why}")

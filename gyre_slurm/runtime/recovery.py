@@ -2,7 +2,7 @@
 
 Rules (each action lands in `events.jsonl`):
 
-- **A node agent is lost** when its heartbeats stop for `runtime.agent_lost_s`, or at
+- **A node agent is lost** when its heartbeats stop for `faults.agent_lost_s`, or at
   once when a command finds its port closed (the process is gone). Its cell is marked
   `failed` (`cell_failed`) for the rest of the job: the cell table hands a standalone
   cell's floor duty to an elastic cell of that role, the policy never moves it again,
@@ -14,8 +14,8 @@ Rules (each action lands in `events.jsonl`):
   next call (its history lives in the gateway, not in the engine). A run whose call was
   in flight on it gets an error (HTTP 502) and restarts as a new attempt, like an
   interrupted run on resume (`StepBook.restart`: `<run_id>-a<N>`, its partial calls are
-  never trained), after `runtime.run_restart_backoff_s`; a run has at most
-  `runtime.max_run_attempts` attempts in all.
+  never trained), after `faults.run_restart_backoff_s`; a run has at most
+  `faults.max_run_attempts` attempts in all.
 - **Training without the lost member**: its share of the step's accumulated gradient is
   gone, and the survivors may be mid-collective with it. The world is rebuilt from the
   training nodes that are left (`TrainWorld.drop`), starting from the state after the
@@ -23,7 +23,7 @@ Rules (each action lands in `events.jsonl`):
   the first step), and every micro-batch of the step trained so far is trained again
   from its stream file (`StepBook.rewind_step`): the step's gradient is again the sum
   over the same trajectories, and nothing is trained twice into the weights. When the
-  state after the last step was not checkpointed (`runtime.checkpoint_every_steps` > 1,
+  state after the last step was not checkpointed (`training.checkpoint_every_steps` > 1,
   or the member died while writing that checkpoint) and the step has trained nothing
   yet, a survivor of a replicated trainer (every member holds the whole state) writes
   that checkpoint first (`checkpoint_restored_by_survivor`). Otherwise (a sharded
@@ -36,14 +36,14 @@ Rules (each action lands in `events.jsonl`):
 - **A draining cell's engines are checked too**: one that fails its checks is killed by
   its agent (`engine_replaced`, when "drain"), so the calls in flight there fail and
   the drain ends; the cell's next rollout starts new engines.
-- **A rollout engine is checked** every `runtime.engine_check_s` (GET /health with a
-  timeout of `runtime.engine_health_timeout_s`). After `runtime.engine_strikes` failed
+- **A rollout engine is checked** every `faults.engine_check_s` (GET /health with a
+  timeout of `faults.engine_health_timeout_s`). After `faults.engine_strikes` failed
   checks in a row (crashed: connection refused; hung: no answer) the server is drained
   and its node agent kills the engine process and starts a new one on the same cell
   after a backoff (0.5 s, doubling per restart of that server, at most 8 s), at the
   current policy version; the new server replaces the old one in the gateway
   (`engine_restarted`). A server
-  restarted more than `runtime.max_engine_restarts` times marks its cell failed. The
+  restarted more than `faults.max_engine_restarts` times marks its cell failed. The
   restart names the server by its address, and the agent runs one engine command at a
   time (`runtime.node_engines`): a server replaced or killed meanwhile is answered
   plainly, and a restarted engine goes into the gateway only while its cell still
@@ -125,7 +125,7 @@ async def lost_during(coord, cells: list[int], exc: BaseException) -> str | None
     verdict within `agent_lost_s`)."""
     if isinstance(exc, AgentUnreachable) and exc.node is not None:
         node_lost(coord, exc.node, reason=str(exc))
-    deadline = time.monotonic() + coord.cfg.runtime.agent_lost_s + 2.0
+    deadline = time.monotonic() + coord.cfg.faults.agent_lost_s + 2.0
     while True:
         if all(coord.table[c].role is Role.FAILED for c in cells):
             return "abandon"
@@ -230,8 +230,8 @@ def restore_point(coord):
            "the step accumulated")
     raise JobCannotContinue(
         f"a training member was lost in step {version}, whose starting state is not in a "
-        f"checkpoint (runtime.checkpoint_every_steps = "
-        f"{coord.cfg.runtime.checkpoint_every_steps}, or the member died writing it), and "
+        f"checkpoint (training.checkpoint_every_steps = "
+        f"{coord.cfg.training.checkpoint_every_steps}, or the member died writing it), and "
         f"no survivor can write it: {why}; continue with --resume (from "
         f"checkpoints/latest: the steps after it are trained again)")
 
@@ -269,7 +269,7 @@ async def after_training_error(coord, exc: BaseException, unfinished) -> None:
     else the error stands."""
     if isinstance(exc, AgentUnreachable) and exc.node is not None:
         node_lost(coord, exc.node, reason=str(exc))
-    deadline = time.monotonic() + coord.cfg.runtime.agent_lost_s + 2.0
+    deadline = time.monotonic() + coord.cfg.faults.agent_lost_s + 2.0
     while not (coord.lost & set(coord.world.members)):
         if time.monotonic() > deadline or not isinstance(exc, CommandError):
             raise exc
@@ -290,12 +290,12 @@ def request_restart(coord, cell: int, sid: str, *, reason: str) -> None:
 
 async def watch_engines(coord) -> None:
     strikes: dict[str, int] = {}
-    rt = coord.cfg.runtime
+    faults = coord.cfg.faults
     while True:
-        await asyncio.sleep(rt.engine_check_s)
+        await asyncio.sleep(faults.engine_check_s)
         checks = [(cell, sid, client) for cell, clients in list(coord.engine_clients.items())
                   if _watched(coord, cell) for sid, client in list(clients.items())]
-        results = await asyncio.gather(*(c.health(timeout_s=rt.engine_health_timeout_s)
+        results = await asyncio.gather(*(c.health(timeout_s=faults.engine_health_timeout_s)
                                          for _, _, c in checks), return_exceptions=True)
         for (cell, sid, _), res in zip(checks, results):
             if not _watched(coord, cell) or sid not in coord.engine_clients.get(cell, {}):
@@ -305,7 +305,7 @@ async def watch_engines(coord) -> None:
             strikes[sid] = 0 if ok else strikes.get(sid, 0) + 1
             if ok and coord.gateway.server_load().get(sid, {}).get("suspect"):
                 coord.gateway.trust_server(sid)  # a call failed, but it answers: route again
-            if strikes[sid] >= rt.engine_strikes:
+            if strikes[sid] >= faults.engine_strikes:
                 strikes[sid] = 0
                 reason = f"{type(res).__name__}: {res}" if isinstance(res, BaseException) \
                     else f"health {res}"
@@ -346,7 +346,7 @@ async def restart_engine(coord, cell: int, sid: str, *, reason: str, attempt: in
         _, node, k = (int(x) for x in SERVER_ID.match(sid).groups())
         coord.rd.event("engine_unhealthy", cell=cell, server=sid, reason=reason[:300],
                        restart=attempt)
-        if attempt > coord.cfg.runtime.max_engine_restarts:
+        if attempt > coord.cfg.faults.max_engine_restarts:
             fail_cell(coord, cell, reason=f"engine {sid} failed {attempt} times: {reason}")
             return
         old = coord.engine_clients.get(cell, {}).get(sid)
@@ -381,7 +381,7 @@ async def restart_engine(coord, cell: int, sid: str, *, reason: str, attempt: in
             await client.load_weights(str(tiny.weights_dir(coord.rd.path, version)), version)
         coord.engine_clients[cell][sid] = client
         coord.gateway.add_server(sid, client, capacity=max(
-            1, coord.cfg.runtime.runs_per_cell // len(coord.engine_clients[cell])))
+            1, coord.cfg.cell_capacity // len(coord.engine_clients[cell])))
         coord.rd.event("engine_restarted", cell=cell, server=sid, node=node, restart=attempt,
                        backoff_s=backoff, exit_code=res.get("exit_code"),
                        seconds=time.monotonic() - t0, version=version)

@@ -10,8 +10,8 @@ releases its group for training once the whole group has ended.
 A run whose model call failed because of the rollout server under it (the gateway
 answered 502: the engine crashed, hung and was killed, or its node was lost; or 503: no
 server became available) was interrupted, not failed: it restarts as a new attempt
-(`StepBook.restart`, `<run_id>-a<N>`) after `runtime.run_restart_backoff_s`, at most
-`runtime.max_run_attempts` attempts in all (the last one's failure is recorded). The interrupted
+(`StepBook.restart`, `<run_id>-a<N>`) after `faults.run_restart_backoff_s`, at most
+`faults.max_run_attempts` attempts in all (the last one's failure is recorded). The interrupted
 attempt gets no run record; its partial calls stay in the store, never trained.
 """
 
@@ -47,14 +47,14 @@ class RolloutManager:
         from gyre_slurm.envs import make_env
         from gyre_slurm.envs.base import env_params_for_run
 
-        self.env_params = env_params_for_run(cfg.runtime.env, cfg.runtime.env_params,
+        self.env_params = env_params_for_run(cfg.agent.env, cfg.agent.env_params,
                                              run_dir=rd.path)
         # Made once now (and dropped: nothing was reset, so nothing to clean): a bad
         # environment setting (an unknown parameter, a sandbox that cannot isolate
         # here, a phase's turns the env cannot take) is refused before any run starts.
-        make_env(cfg.runtime.env, **self.env_params)
+        make_env(cfg.agent.env, **self.env_params)
         for phase in cfg.workload.phases:
-            make_env(cfg.runtime.env, **self.env_params_at(phase.from_step))
+            make_env(cfg.agent.env, **self.env_params_at(phase.from_step))
 
     @property
     def started_file(self) -> Path:
@@ -79,7 +79,7 @@ class RolloutManager:
         shape = step_shape(self.cfg, step)
         if shape == StepShape():
             return self.env_params
-        return shape.env_params(self.env_params, env_param_names(self.cfg.runtime.env))
+        return shape.env_params(self.env_params, env_param_names(self.cfg.agent.env))
 
     def fill(self, capacity: int) -> int:
         """Start pending runs while servers have room. Returns how many started."""
@@ -102,8 +102,8 @@ class RolloutManager:
 
         if step not in self._tasks_cache:
             self._tasks_cache[step] = tasks_for_step(
-                self.cfg.runtime.env, step=step, num_prompts=self.cfg.workload.prompts_per_step,
-                seed=self.cfg.sim.seed, env_params=self.env_params)
+                self.cfg.agent.env, step=step, num_prompts=self.cfg.workload.prompts_per_step,
+                seed=self.cfg.seed, env_params=self.env_params)
         return self._tasks_cache[step][prompt]
 
     async def _run(self, entry) -> None:
@@ -112,9 +112,9 @@ class RolloutManager:
         from gyre_slurm.envs import make_env
         from gyre_slurm.envs.base import run_seed_of
 
-        rt = self.cfg.runtime
-        env = make_env(rt.env, **self.env_params_at(entry.step))
-        turns = step_shape(self.cfg, entry.step).turns or rt.max_turns
+        agent, faults = self.cfg.agent, self.cfg.faults
+        env = make_env(agent.env, **self.env_params_at(entry.step))
+        turns = step_shape(self.cfg, entry.step).turns or agent.max_turns
         task = self._task_spec(entry.step, entry.prompt)
         base_url = f"{self.gateway_url}/runs/{entry.run_id}/v1"
         key = self.gateway.open_run(entry.run_id)  # revoked by end_run when the run ends
@@ -122,18 +122,18 @@ class RolloutManager:
             result = await asyncio.wait_for(run_agent(
                 base_url=base_url, api_key=key, env=env, task=task,
                 run_id=entry.run_id, max_turns=turns,
-                context_budget_tokens=rt.context_budget_tokens, max_tokens=rt.max_tokens,
-                temperature=rt.temperature,
-                run_seed=run_seed_of(self.cfg.sim.seed, entry.run_id)), timeout=rt.run_timeout_s)
+                context_budget_tokens=agent.context_budget_tokens, max_tokens=agent.max_tokens,
+                temperature=agent.temperature,
+                run_seed=run_seed_of(self.cfg.seed, entry.run_id)), timeout=agent.run_timeout_s)
             record = result.to_record()
         except asyncio.TimeoutError:
             record = {"run_id": entry.run_id, "task_id": task.task_id, "reward": 0.0,
-                      "status": "timeout", "error": f"run exceeded {rt.run_timeout_s:g}s"}
+                      "status": "timeout", "error": f"run exceeded {agent.run_timeout_s:g}s"}
         finally:
             await env.close()
         record.update(step=entry.step, prompt=entry.prompt, member=entry.member)
         if (record["status"] == "failed" and SERVER_FAILED.match(record.get("error") or "")
-                and entry.attempt + 1 < rt.max_run_attempts):
+                and entry.attempt + 1 < faults.max_run_attempts):
             self.restart(entry.run_id, reason=record["error"])
         else:
             self.finish(entry.run_id, record)
@@ -148,7 +148,7 @@ class RolloutManager:
             self._buffer.poll()
             self._buffer.take(run_id)
         new_id = self.book.restart(run_id)
-        self.not_before[new_id] = time.time() + self.cfg.runtime.run_restart_backoff_s
+        self.not_before[new_id] = time.time() + self.cfg.faults.run_restart_backoff_s
         self.rd.event("run_restarted", run_id=run_id, new_run_id=new_id, reason=reason[:300])
         return new_id
 
@@ -190,7 +190,7 @@ class RolloutManager:
         if run_id not in loaded.runs:
             reasons = "; ".join(str(e) for e in loaded.errors) or "no recorded calls"
             return [], f"calls of {run_id} unusable: {reasons}"
-        result = process_run(loaded.runs[run_id], max_per_run=self.cfg.runtime.max_per_run)
+        result = process_run(loaded.runs[run_id], max_per_run=self.cfg.training.max_per_run)
         return [t.to_json() for t in result.trajectories], None
 
     async def cancel_all(self) -> None:

@@ -59,10 +59,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def sweep_key(key: str) -> str:
-    """`cell_nodes` -> `cluster.cell_nodes`: a short key names the one section holding it."""
+    """`cell_nodes` -> `cluster.cell_nodes`: a short key names the one section holding it
+    (a top-level key, `seed`, is its own path)."""
     if "." in key:
         return key
     hints = typing.get_type_hints(GyreConfig)
+    if key in hints and not dataclasses.is_dataclass(hints[key]):
+        return key
     owners = [name for name, tp in hints.items() if dataclasses.is_dataclass(tp)
               and key in {f.name for f in dataclasses.fields(tp)}]
     if len(owners) != 1:

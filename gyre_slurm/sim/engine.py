@@ -1,10 +1,10 @@
 """The discrete-event simulator: the same policy objects the coordinator runs, on a
 modelled cluster. Events: a run finishes, a run reaches its next call (migration), a
 handoff phase ends, a micro-batch or optimizer step ends, a rollout stall ends, and
-a policy tick every `sim.policy_interval_s` (and at every step boundary).
+a policy tick every `scheduler.interval_s` (and at every step boundary).
 
 Deterministic for a seed: every random draw comes from generators seeded by
-`sim.seed`, and ties are broken by event sequence numbers.
+`seed`, and ties are broken by event sequence numbers.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class Simulator:
         if policy.max_staleness is not None:
             stale = min(stale, policy.max_staleness)
         self.staleness = stale
-        self.rng = np.random.default_rng([cfg.sim.seed, 1])
+        self.rng = np.random.default_rng([cfg.seed, 1])
         self.now = 0.0
         self.seq = 0
         self.events: list = []
@@ -355,7 +355,7 @@ class Simulator:
         self.release_trainers()
         self.check_progress(obs, decisions)
         if not extra:
-            self.push(self.now + self.cfg.sim.policy_interval_s, TICK)
+            self.push(self.now + self.cfg.scheduler.interval_s, TICK)
 
     def check_progress(self, obs: Observation, decisions: list[Decision]) -> None:
         moving = any(c.target is not None for c in obs.cells)

@@ -65,7 +65,7 @@ def sample_durations(cfg: DurationConfig, num: int, rng: np.random.Generator,
 
 def sample_workload(cfg: GyreConfig, *, base_dir: Path | None = None) -> Workload:
     w = cfg.workload
-    rng = np.random.default_rng(cfg.sim.seed)
+    rng = np.random.default_rng(cfg.seed)
     num = w.num_steps * w.runs_per_step
     index = np.arange(num)
     batch = index // w.runs_per_step

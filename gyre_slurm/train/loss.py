@@ -1,4 +1,4 @@
-"""Policy-gradient losses for off-policy training, chosen by `training.loss`.
+"""Policy-gradient losses for off-policy training, chosen by `loss.kind`.
 
 Per trained token t (loss_mask[t] = 1) of sequence i, with sg(.) the stop-gradient:
 
@@ -111,9 +111,9 @@ class LossSettings:
                              f"{self.is_mask_level!r}")
 
     @classmethod
-    def from_config(cls, training: Any) -> LossSettings:
-        """From a `TrainingConfig` (its `loss_settings`)."""
-        return cls(**training.loss_settings)
+    def from_config(cls, loss: Any) -> LossSettings:
+        """From a config's `loss` section (`LossConfig.settings`)."""
+        return cls(**loss.settings)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

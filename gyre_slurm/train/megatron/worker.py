@@ -20,7 +20,7 @@ Rank layout (Megatron's "tp-cp-ep-dp-pp" order): rank = tp + TP * (dp + DP * pp)
 `train_microbatch` takes trajectories `mb[dp_rank::dp_size]`; every TP/PP rank of a
 data-parallel replica runs the same shard through `get_forward_backward_func()` (1F1B
 over the stages when PP > 1). Logits are gathered over TP (`parallel_output=False`) and
-the loss (`training.loss`) and its signals are `gyre_slurm.train.signals.loss_and_signals`
+the loss (`loss.kind`) and its signals are `gyre_slurm.train.signals.loss_and_signals`
 on the full, unpadded vocabulary, as in the torch backend. Gradients accumulate in one flat buffer per rank;
 `optimizer_step` sums it over DP, divides by `num_step_tokens` if given, clips by the
 global norm (TP-duplicated parameters counted once, all stages) and steps a plain torch

