@@ -16,7 +16,7 @@ QUICK = ["workload.prompts_per_step=2", "workload.group_size=4",
          "workload.duration.mean_s=1.0", "workload.duration.max_s=3.0",
          "agent.env_params.tool_mean_s=1.0", "agent.env_params.tool_max_s=3.0",
          "rollout.runs_per_node=2",
-         "trainer.pace=true", "scheduler.interval_s=0.2"]
+         "trainer.pace=true", "training.node_tokens_per_s=2000", "scheduler.interval_s=0.2"]
 
 
 def test_bench_modes_runs_measures_checks_and_simulates(tmp_path):

@@ -301,8 +301,8 @@ def predict(base: dict, label: str, costs: dict, replay: dict) -> dict:
         return Simulator(cfg, sim_policy(cfg, label), workload, policy_handoff=prior).run()
 
     replayed = run(replay_workload(cfg, replay))
-    sampled = [run(sample_workload(dataclasses.replace(
-        cfg, sim=dataclasses.replace(cfg.sim, seed=seed)))).makespan_s for seed in range(5)]
+    sampled = [run(sample_workload(dataclasses.replace(cfg, seed=seed))).makespan_s
+               for seed in range(5)]
     return {"makespan_s": replayed.makespan_s, "busy_fraction": replayed.busy_fraction,
             "handoffs": replayed.handoffs, "sampled_makespan_s": median(sampled),
             "timeline": replayed.timeline}
