@@ -216,10 +216,13 @@ def test_status_and_report_show_the_training_signals(run_dir, source_run):
     fig = figure(run_dir)
     try:
         axes = {ax.get_title(): ax for ax in fig.axes}
-        mismatch = axes["trainer/sampler mismatch on trained tokens, by policy lag"]
+        mismatch = next(ax for title, ax in axes.items()
+                        if title.startswith("trainer/sampler mismatch on trained tokens"))
         assert list(mismatch.lines[0].get_ydata()) == [m["mismatch/abs_mean"] for m in steps]
-        training = axes["training signals: entropy, clip fraction, grad norm"]
+        training = axes["entropy of trained tokens; grad norm"]
         assert list(training.lines[0].get_ydata()) == [m["train/entropy"] for m in steps]
+        clipped = axes["what the loss clipped, truncated, dropped"]
+        assert list(clipped.lines[0].get_ydata()) == [m["train/clip_frac"] for m in steps]
         rewards = axes["mean reward per step"]
         assert list(rewards.lines[0].get_ydata()) == [m["reward/mean"] for m in steps]
     finally:

@@ -8,7 +8,8 @@ cells) with the rollout-cell count, both in cells;
 training signals, `model.step_metrics`); (4) throughput per step: trajectories/s and
 tokens/s over the time since the previous step (`model.step_rates`); (5) trainer/sampler
 mismatch per step (mean |logp difference|, overall and per policy lag, and the k3 KL
-estimate); (6) entropy of the trained tokens, clip fraction and gradient norm.
+estimate); (6) entropy of the trained tokens and gradient norm; (7) the share of the
+trained tokens the loss clipped, truncated or dropped.
 """
 
 from __future__ import annotations
@@ -89,29 +90,40 @@ def draw_mismatch(ax, events: list[dict]) -> None:
         ax.plot(*_series(metrics, f"mismatch/{lag}/abs_mean"), marker=".", ms=3, alpha=0.8,
                 label=f"lag {lag[3:]}")
     ax.set_xlabel("step")
-    ax.set_ylabel("mean |logp trainer - sampler|")
+    ax.set_ylabel("mean |logp trainer - sampler|", fontsize=9)
     ax2 = ax.twinx()
     ax2.plot(*_series(metrics, "mismatch/kl_k3"), color="#d62728", ls="--", label="KL k3")
-    ax2.set_ylabel("KL(sampler || trainer), k3", color="#d62728")
+    ax2.set_ylabel("KL k3", color="#d62728")
     if metrics:
         ax.legend(loc="upper left", fontsize=7, ncol=2)
-    ax.set_title("trainer/sampler mismatch on trained tokens, by policy lag", fontsize=10)
+    ax.set_title("trainer/sampler mismatch on trained tokens, by policy lag;\nKL(sampler || "
+                 "trainer) k3 dashed", fontsize=10)
 
 
 def draw_training(ax, events: list[dict]) -> None:
-    """Entropy of the trained tokens and clip fraction; gradient norm on the right."""
+    """Entropy of the trained tokens; the gradient norm on the right."""
     metrics = model.step_metrics(events)
     ax.plot(*_series(metrics, "train/entropy"), marker="o", ms=3, label="entropy")
-    ax.plot(*_series(metrics, "train/clip_frac"), marker=".", ms=3, label="clip fraction")
     ax.set_xlabel("step")
-    ax.set_ylabel("nats / fraction")
+    ax.set_ylabel("entropy (nats)")
     ax2 = ax.twinx()
-    ax2.plot(*_series(metrics, "train/grad_norm"), color="#9467bd", ls="--",
-             label="grad norm")
-    ax2.set_ylabel("grad norm (before clipping)", color="#9467bd")
+    ax2.plot(*_series(metrics, "train/grad_norm"), color="#9467bd", ls="--")
+    ax2.set_ylabel("grad norm", color="#9467bd")
+    ax.set_title("entropy of trained tokens; grad norm", fontsize=10)
+
+
+def draw_corrections(ax, events: list[dict]) -> None:
+    """Share of the trained tokens the loss clipped, truncated or dropped."""
+    metrics = model.step_metrics(events)
+    for key, label in (("train/clip_frac", "clipped (zero gradient)"),
+                       ("train/is_truncated_frac", "weight truncated at the cap"),
+                       ("train/is_dropped_frac", "dropped (out of the band)")):
+        ax.plot(*_series(metrics, key), marker=".", ms=3, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("share of trained tokens")
     if metrics:
-        ax.legend(loc="upper left", fontsize=8)
-    ax.set_title("training signals: entropy, clip fraction, grad norm", fontsize=10)
+        ax.legend(loc="upper left", fontsize=7)
+    ax.set_title("what the loss clipped, truncated, dropped", fontsize=10)
 
 
 def draw_throughput(ax, events: list[dict]) -> None:
@@ -141,14 +153,16 @@ def figure(run_dir: Path):
     if not {"start", "layout"} <= kinds:
         raise UserError(f"{run_dir / 'events.jsonl'} has no start/layout events yet "
                         "(nothing to report: has the run started?)")
-    fig = plt.figure(figsize=(12, 12))
+    fig = plt.figure(figsize=(15, 13))
     grid = fig.add_gridspec(4, 2, height_ratios=[3, 2, 2, 2])
     wall = draw_roles(fig.add_subplot(grid[0, :]), snap.events)
     draw_waterlevel(fig.add_subplot(grid[1, :]), snap, span_s=wall)
     draw_rewards(fig.add_subplot(grid[2, 0]), snap.events)
     draw_throughput(fig.add_subplot(grid[2, 1]), snap.events)
-    draw_mismatch(fig.add_subplot(grid[3, 0]), snap.events)
-    draw_training(fig.add_subplot(grid[3, 1]), snap.events)
+    last = grid[3, :].subgridspec(1, 3, width_ratios=[4, 3, 3], wspace=0.55)
+    draw_mismatch(fig.add_subplot(last[0]), snap.events)
+    draw_training(fig.add_subplot(last[1]), snap.events)
+    draw_corrections(fig.add_subplot(last[2]), snap.events)
     fig.suptitle(f"{run_dir.name}: policy {(snap.status or {}).get('policy', '?')}")
     fig.tight_layout()
     return fig
