@@ -34,6 +34,7 @@ import dataclasses
 import json
 import logging
 import re
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,8 @@ from gyre_slurm.gateway import openai, tools
 from gyre_slurm.gateway.history import Anchor, History, Served, turn_anchor
 from gyre_slurm.gateway.router import NoServer, Router
 from gyre_slurm.gateway.runs import ExternalPolicy, Refused, RunRegistry, RunState
-from gyre_slurm.gateway.text import cut_at_stop, token_pieces
+from gyre_slurm.gateway.text import (
+    answer_spans, content_spans, control_strings, cut_at_stop, suffix_encoder, token_pieces)
 from gyre_slurm.models import tiny
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,8 @@ class Gateway:
         stop = {self.tokenizer.convert_tokens_to_ids("<|im_end|>"), self.tokenizer.eos_token_id}
         self.stop_token_ids = sorted(int(t) for t in stop if t is not None)
         self.end_texts = self.tokenizer.convert_ids_to_tokens(self.stop_token_ids)
+        self.control_strings = control_strings(self.tokenizer)
+        self._nonce = secrets.token_hex(8)  # content sentinels no client can spell
         self.history = History(calls_per_run=history_calls_per_run)
         self.call_writer = call_writer
         self.external_writer = external_writer if external_writer is not None else call_writer
@@ -257,20 +261,20 @@ class Gateway:
             spec = tools.parse_tools(body)
             rendered = tools.render_messages(openai.parse_messages(body), spec,
                                              lambda key: self.history.said(run_id, key))
-            prompt_text = self._render(rendered, generation_prompt=True)
+            prompt_text, encode = self._render_plain(rendered, generation_prompt=True)
         except openai.RequestError as exc:
             raise HttpError(400, str(exc)) from None
-        prompt, prompt_ids, _ = self.history.prompt(run_id, prompt_text, self._encode)
+        prompt, prompt_ids, _ = self.history.prompt(run_id, prompt_text, encode)
         sampling = self._room(prompt_ids, sampling)
         choices = await self._generate(request, prompt_ids, sampling, spec)
         for c in choices:
+            turn = rendered + [{"role": "assistant", "content": c.text}]
             try:
-                full = self._render(rendered + [{"role": "assistant", "content": c.text}],
-                                    generation_prompt=False)
+                full, full_encode = self._render_plain(turn, generation_prompt=False)
             except openai.RequestError:  # recorded already: answer, with no turn anchor
-                full = None
+                full, full_encode = None, None
             said = {tools.message_key(c.content, c.tool_calls): c.text} if c.tool_calls else {}
-            self._remember(run_id, c, prompt, full, said)
+            self._remember(run_id, c, prompt, full, said, full_encode)
         kw = dict(model=self.model_name, prompt_ids=prompt_ids, choices=choices,
                   token_strings=self._token_strings, want_logprobs=sampling.logprobs)
         if sampling.stream:
@@ -293,7 +297,8 @@ class Gateway:
         choices = await self._generate(request, prompt_ids, sampling, tools.NO_TOOLS)
         if anchor is not None:
             for c in choices:
-                self._remember(run_id, c, anchor, prompt + c.text, {})
+                self._remember(run_id, c, anchor, prompt + c.text, {},
+                               self._answer_encoder(prompt + c.text, len(prompt)))
         kw = dict(model=self.model_name, prompt_ids=prompt_ids, choices=choices,
                   token_strings=self._token_strings, want_logprobs=sampling.logprobs)
         if sampling.stream:
@@ -316,11 +321,28 @@ class Gateway:
             raise openai.RequestError(f"the chat template failed on these messages: "
                                       f"{exc}") from None
 
+    def _render_plain(self, messages: list[dict[str, str]], *, generation_prompt: bool):
+        """(the rendered text, an encoder of its suffixes) in which control tokens spelled
+        inside message content are plain text: a user's or a tool's text cannot forge a
+        turn (`<|im_start|>` in a tool's output is the characters, not the token)."""
+        try:
+            text, spans = content_spans(
+                lambda ms: self._render(ms, generation_prompt=generation_prompt), messages,
+                self.control_strings, self._nonce)
+        except ValueError as exc:
+            raise openai.RequestError(str(exc)) from None
+        return text, (suffix_encoder(self.tokenizer, text, spans) if spans else self._encode)
+
+    def _answer_encoder(self, text: str, start: int):
+        spans = answer_spans(text, start, self.control_strings)
+        return suffix_encoder(self.tokenizer, text, spans) if spans else self._encode
+
     def _remember(self, run_id: str, c: openai.Choice, prompt: Anchor,
-                  full_text: str | None, said: dict[str, str]) -> None:
-        turn = None if full_text is None else turn_anchor(prompt=prompt, full_text=full_text, answer=c.text,
-                           output_ids=c.output_ids, pieces=c.pieces, end_texts=self.end_texts,
-                           stop_ids=self.stop_token_ids, encode=self._encode)
+                  full_text: str | None, said: dict[str, str], encode=None) -> None:
+        turn = None if full_text is None else turn_anchor(
+            prompt=prompt, full_text=full_text, answer=c.text, output_ids=c.output_ids,
+            pieces=c.pieces, end_texts=self.end_texts, stop_ids=self.stop_token_ids,
+            encode=encode or self._encode)
         self.history.add(run_id, Served(c.gyre["call"], prompt, turn, said))
 
     async def _generate(self, request: web.Request, prompt_ids: list[int],

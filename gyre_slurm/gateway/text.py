@@ -7,6 +7,7 @@ character gets the empty piece and the token completing the character gets all o
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 REPLACEMENT = "\ufffd"
@@ -74,3 +75,86 @@ def raw_prefix_len(pieces: Sequence[str], target: str) -> tuple[int, int]:
             break
         k, chars = i + 1, chars + len(piece)
     return k, chars
+
+
+# -- control tokens inside message content ---------------------------------------------
+def control_strings(tokenizer) -> tuple[str, ...]:
+    """The texts of the tokenizer's special tokens (`<|im_start|>`, eos, ...), longest
+    first: spelled inside a message's content they must stay plain text."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    out = {t.content for t in added.values() if getattr(t, "special", False)}
+    out |= set(getattr(tokenizer, "all_special_tokens", ()) or ())
+    return tuple(sorted((s for s in out if s), key=len, reverse=True))
+
+
+def content_spans(render, messages: Sequence[dict[str, str]], controls: Sequence[str],
+                  nonce: str) -> tuple[str, list[tuple[int, int]]]:
+    """(`render(messages)`, the (start, end) of every control string spelled inside a
+    message's content in that text). Each content is located exactly: the messages are
+    rendered once more with each content replaced by a sentinel (private-use characters
+    and a `nonce` a client cannot guess), so a content that repeats the template's own
+    markers is never confused with them. A content holding a control string that the
+    template does not keep verbatim raises ValueError (it could not be kept plain)."""
+    text = render(messages)
+    if not any(c in m["content"] for m in messages for c in controls):
+        return text, []
+    marks = [f"\ue000{nonce}{i}\ue001" for i in range(len(messages))]
+    marked = render([{**m, "content": k} for m, k in zip(messages, marks)])
+    out, spans, pos = [], [], 0
+    for part in re.split(f"(\ue000{nonce}\\d+\ue001)", marked):
+        m = re.fullmatch(f"\ue000{nonce}(\\d+)\ue001", part)
+        if m is not None and int(m[1]) < len(messages):
+            part = messages[int(m[1])]["content"]
+            spans.extend(_occurrences(part, 0, len(part), controls, offset=pos))
+        out.append(part)
+        pos += len(part)
+    if "".join(out) != text:
+        raise ValueError("a message's content spells a control token of the model, and the "
+                         "chat template does not keep that content verbatim")
+    return text, spans
+
+
+def _occurrences(text: str, start: int, end: int, controls: Sequence[str], *,
+                 offset: int = 0) -> list[tuple[int, int]]:
+    """(start, end) + offset of each control string in text[start:end], left to right
+    (`controls` longest first, so the longest match wins)."""
+    if not controls:
+        return []
+    pattern = re.compile("|".join(re.escape(c) for c in controls))
+    return [(offset + m.start(), offset + m.end()) for m in pattern.finditer(text, start, end)]
+
+
+def answer_spans(text: str, start: int, controls: Sequence[str]) -> list[tuple[int, int]]:
+    """The control strings spelled in text[start:] (an answer's literal text)."""
+    return _occurrences(text, start, len(text), controls)
+
+
+def encode_plain_spans(tokenizer, text: str, spans: Sequence[tuple[int, int]]) -> list[int]:
+    """Token ids of `text` where the `spans` (control strings of message content) are
+    tokenized as plain text (split_special_tokens) and the rest as usual (the template's
+    own control tokens stay control tokens)."""
+    ids: list[int] = []
+    pos = 0
+
+    def enc(part: str, plain: bool) -> None:
+        if part:
+            ids.extend(int(t) for t in tokenizer.encode(
+                part, add_special_tokens=False, split_special_tokens=plain))
+    for a, b in sorted(spans):
+        enc(text[pos:a], False)
+        enc(text[a:b], True)
+        pos = b
+    enc(text[pos:], False)
+    return ids
+
+
+def suffix_encoder(tokenizer, text: str, spans: Sequence[tuple[int, int]]):
+    """`encode(piece)` for any suffix `piece` of `text`, keeping `spans` plain."""
+    def encode(piece: str) -> list[int]:
+        if not piece:
+            return []
+        start = len(text) - len(piece)
+        assert text.endswith(piece), "suffix_encoder takes suffixes of its text"
+        local = [(max(a, start) - start, b - start) for a, b in spans if b > start]
+        return encode_plain_spans(tokenizer, piece, local)
+    return encode

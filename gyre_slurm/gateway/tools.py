@@ -6,9 +6,9 @@ The tiny chat template knows only `role` and `content`, so the gateway renders:
   `<tools></tools>` and asking for `<tool_call>{"name": ..., "arguments": {...}}
   </tool_call>`; "required" adds "You must call at least one function.", a named choice
   "You must call the function NAME." (an instruction only: decoding is not constrained).
-- an assistant message with `tool_calls`: if the gateway produced exactly this message
-  (same content, tool call ids, names and arguments) for the run, the text the model
-  generated; otherwise its content, then one `<tool_call>\\n{"name", "arguments"}\\n
+- an assistant message with `tool_calls`: if the gateway produced this message for the
+  run (same content, tool names and arguments as JSON values: `message_key`), the text
+  the model generated; otherwise its content, then one `<tool_call>\\n{"name", "arguments"}\\n
   </tool_call>` block per call, joined by newlines.
 - a `tool` message: role "tool", content `<tool_response>\\nCONTENT\\n</tool_response>`.
 Generated text is parsed (when tools are active) by `parse_tool_calls`: every
@@ -111,10 +111,24 @@ def call_block(name: str, arguments: str) -> str:
                                         ensure_ascii=False) + "\n</tool_call>"
 
 
+def canonical_arguments(arguments: str) -> str:
+    """Arguments compared by meaning: JSON re-serialised canonically (key order,
+    spacing and escapes do not matter), or the text itself when it is not JSON."""
+    try:
+        return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"),
+                          ensure_ascii=False)
+    except (ValueError, RecursionError):
+        return arguments
+
+
 def message_key(content: str | None, tool_calls: Sequence[dict[str, str]]) -> str:
-    """What identifies an assistant message with tool calls the gateway answered."""
-    return json.dumps([content or "", [[c["id"], c["name"], c["arguments"]]
-                                       for c in tool_calls]], ensure_ascii=False)
+    """What identifies an assistant message with tool calls the gateway answered, as a
+    client sends it back: its content (surrounding whitespace aside) and each call's
+    name and arguments compared as JSON values. Clients re-serialise arguments
+    (pydantic-ai sends `{"city":"Paris"}` for the `{"city": "Paris"}` it got) and some
+    rewrite call ids, so neither the argument text nor the ids are part of the key."""
+    return json.dumps([(content or "").strip(), [[c["name"], canonical_arguments(c["arguments"])]
+                                                for c in tool_calls]], ensure_ascii=False)
 
 
 def render_messages(messages: Sequence[dict[str, Any]], spec: ToolSpec,
