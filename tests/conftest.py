@@ -58,3 +58,10 @@ def megatron_python():
 @pytest.fixture(scope="session")
 def minisweagent_python():
     return _role_python("minisweagent")
+
+
+@pytest.fixture(scope="session")
+def clients_python():
+    """The client libraries' environment (openai, openai-agents, langchain-openai,
+    pydantic-ai, litellm): tools/role-env clients."""
+    return _role_python("clients")
