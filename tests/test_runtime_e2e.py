@@ -44,12 +44,15 @@ def gyre_run(run_dir: Path, *extra: str, resume: bool = False, timeout_s: float 
 @pytest.mark.parametrize("policy", ["elastic", "colocate", "async"])
 def test_each_mode_completes_with_nothing_lost_or_repeated(tmp_path, policy):
     run_dir = tmp_path / policy
-    proc = gyre_run(run_dir, *FAST, f"scheduler.policy={policy}")
+    # async trains with truncated IS capped at 1: the loss setting must reach the ranks
+    loss = ["loss.kind=tis", "loss.is_cap=1.0"] if policy == "async" else []
+    proc = gyre_run(run_dir, *FAST, f"scheduler.policy={policy}", *loss)
     assert proc.returncode == 0, proc.stderr[-4000:]
     events = check_run_dir(run_dir, num_steps=3)
     handoffs = [e for e in events if e["kind"] == "handoff"]
     if policy == "async":
         assert handoffs == []
+        check_tis_capped_at_one(events)
     if policy == "colocate":
         directions = {e["direction"] for e in handoffs}
         assert directions == {"rollout->train", "train->rollout"}
@@ -63,6 +66,19 @@ def test_each_mode_completes_with_nothing_lost_or_repeated(tmp_path, policy):
     if policy == "colocate":  # every cell trains step 0, sampled by the policy it trains
         step0 = next(read_jsonl(run_dir / "metrics.jsonl"))
         assert step0["step"] == 0 and step0["train/ratio_mean"] == pytest.approx(1.0, abs=0.01)
+
+
+def check_tis_capped_at_one(events: list[dict]) -> None:
+    """Every micro-batch trained with tis, C = 1: nothing clipped, every weight
+    min(ratio, 1); once stale tokens (ratio != 1) trained, the weights fall short of
+    the ratios (ppo_clip's weight is the ratio itself)."""
+    stats = [e["stats"] for e in events if e["kind"] == "microbatch"]
+    assert stats and all(s["clipped"] == 0 and s["dropped"] == 0 for s in stats)
+    assert all(s["weight_sum"] <= s["tokens"] + 1e-6 for s in stats)
+    stale = sum(s["tokens"] - s["by_lag"].get("0", {}).get("tokens", 0) for s in stats)
+    if stale:
+        assert sum(s["weight_sum"] for s in stats) < sum(s["ratio_sum"] for s in stats)
+        assert sum(s["truncated"] for s in stats) > 0
 
 
 def check_summary(stdout: str, run_dir: Path, events: list[dict], records: list[dict]):
