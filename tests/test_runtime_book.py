@@ -87,18 +87,24 @@ def test_restart_gives_an_interrupted_run_a_new_attempt():
 
 def test_waiting_tokens_count_open_groups_and_later_steps():
     """What cannot train yet but will: ok runs of the current step whose group is still
-    open, and every ok run of a later step (released or not); not what is trainable now."""
+    open, and every ok run of a later step (released or not); not what is trainable now.
+    The book counts its work in the ledger the simulator keeps too (`sched.ledger`)."""
     b = book()
     for r in b.pending():
         b.start(r.run_id)
-    assert b.waiting_tokens() == 0
+
+    def waiting():
+        return b.work.waiting(b.version, streaming=True)
+
+    assert waiting() == 0
     b.finish(run_id_of(0, 0, 0), status="ok", reward=1.0, trajectories=[traj("a", 4)])
-    assert b.waiting_tokens() == 4 and b.ready_tokens() == 0  # its group is open
+    assert waiting() == 4 and b.ready_tokens() == 0  # its group is open
     b.finish(run_id_of(0, 0, 1), status="ok", reward=0.0, trajectories=[traj("b", 6)])
-    assert b.waiting_tokens() == 0 and b.ready_tokens() == 10  # released: trainable now
+    assert waiting() == 0 and b.ready_tokens() == 10  # released: trainable now
     b.finish(run_id_of(1, 1, 0), status="ok", reward=1.0, trajectories=[traj("c", 8)])
     b.finish(run_id_of(1, 1, 1), status="failed", reward=0.0, trajectories=[])
-    assert b.waiting_tokens() == 8  # a later step's released group still waits
+    assert waiting() == 8  # a later step's released group still waits
+    assert b.work.step_runs_left(0) == 2
 
 
 def test_trained_runs_are_counted_live_as_training_consumes_them():

@@ -1,5 +1,9 @@
 """The coordinator's ledger of steps, runs and trajectories (pure: no I/O, no clock).
 
+The trajectories themselves live here; the work they stand for (tokens done, ready,
+in progress, trained: what the policy observes) is counted by `work`, a
+`sched.ledger.WorkLedger`, the one the simulator keeps too.
+
 Step k trains the runs of batch k: `prompts_per_step` tasks x `group_size` runs each.
 Batch k may start once the policy has trained at least k - staleness steps. A run ends
 `ok` (its calls become trajectories) or `failed`/`timeout` (never trained, says why).
@@ -24,6 +28,8 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
+
+from gyre_slurm.sched.ledger import WorkLedger
 
 
 @dataclass
@@ -70,6 +76,8 @@ class StepBook:
                     ids.append(rid)
             self.steps.append(StepState(ids))
         self.version = 0
+        self.work = WorkLedger(num_steps=num_steps, groups_per_step=prompts_per_step,
+                               group_size=group_size)
 
     # -- rollout side ----------------------------------------------------------------
     def allowed_steps(self) -> range:
@@ -109,6 +117,7 @@ class StepBook:
     def mark_trained_before(self, version: int) -> None:
         """Resume: the steps a checkpoint holds are trained; their runs are over."""
         self.version = version
+        self.work.trained_before(version)
         for step in self.steps[:version]:
             for rid in step.runs:
                 self.runs[rid].state = "trained"
@@ -134,6 +143,9 @@ class StepBook:
         assert entry.state in ("running", "pending"), entry
         entry.state, entry.reward = status, reward
         entry.trajectories = trajectories if status == "ok" else []
+        self.work.run_finished(step=entry.step,
+                               group=entry.step * self.prompts + entry.prompt,
+                               tokens=_tokens(entry.trajectories))
         group = [self.runs[r] for r in self.steps[entry.step].runs
                  if self.runs[r].prompt == entry.prompt]
         if any(r.state in ("pending", "running") for r in group):
@@ -164,6 +176,7 @@ class StepBook:
             out.append(state.ready.popleft())
             used += size
         state.handed_out += len(out)
+        self.work.hand_out(self.version, used)
         return out
 
     def next_redo(self) -> tuple[int, list[dict]] | None:
@@ -184,6 +197,7 @@ class StepBook:
         state.redo = deque(again)
         state.batches, state.trained_runs = [], []
         state.trained = state.trained_tokens = 0
+        self.work.rewind(self.version)
         return len(again)
 
     def trained(self, batch: list[dict], *, index: int | None = None) -> None:
@@ -192,6 +206,7 @@ class StepBook:
         state.trained += len(batch)
         state.trained_tokens += sum(sum(t["loss_mask"]) for t in batch)
         state.trained_runs.extend(t["run_id"] for t in batch)
+        self.work.train_done(self.version, _tokens(batch))
 
     def step_complete(self) -> bool:
         if self.version >= self.num_steps:
@@ -211,25 +226,9 @@ class StepBook:
         return self.version >= self.num_steps
 
     def ready_tokens(self) -> int:
-        if self.version >= self.num_steps:
-            return 0
-        return sum(len(t["token_ids"]) for t in self.steps[self.version].ready)
+        return int(self.work.ready[self.version]) if self.version < self.num_steps else 0
 
-    def waiting_tokens(self) -> int:
-        """Tokens of finished runs that cannot train yet: runs of later steps, and runs of
-        the step being trained whose group has not ended (the policy's `waiting`, counted
-        as the simulator counts it; groups not yet released are work in sight too)."""
-        total = 0
-        for s in self.allowed_steps():
-            runs = [self.runs[r] for r in self.steps[s].runs]
-            open_groups = {r.prompt for r in runs if r.state in ("pending", "running")}
-            for r in runs:
-                if r.state == "ok" and (s > self.version or r.prompt in open_groups):
-                    total += sum(len(t["token_ids"]) for t in r.trajectories)
-        return total
 
-    def step_runs_left(self) -> int:
-        if self.version >= self.num_steps:
-            return 0
-        return sum(1 for r in self.steps[self.version].runs
-                   if self.runs[r].state in ("pending", "running"))
+def _tokens(trajectories: list[dict]) -> int:
+    """The work a trajectory stands for, as the ledger counts it: its tokens."""
+    return sum(len(t["token_ids"]) for t in trajectories)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import math
 import os
 import statistics
 import time
@@ -47,7 +46,8 @@ from gyre_slurm.runtime.rundir import RunDir
 from gyre_slurm.runtime.world import TrainWorld
 from gyre_slurm.sched.cells import Cell, CellTable, Role
 from gyre_slurm.sched.policies import run_policy
-from gyre_slurm.sched.types import CellObs, Observation
+from gyre_slurm.sched.observe import RunsNow, build_observation
+from gyre_slurm.sched.types import Observation
 
 log = logging.getLogger(__name__)
 
@@ -390,30 +390,22 @@ class Coordinator:
                    for sid in self.engine_clients.get(cell, {}))
 
     def observe(self) -> Observation:
-        now = time.time() - self.t0
+        now = time.time()
         load = self.gateway.server_load()
-        cells = tuple(CellObs(c.cell_id, c.role, c.target, c.standalone,
-                              self.cell_runs(c.cell_id, load),
-                              c.since_s) for c in self.table.cells)
         rate = statistics.median(self.train_rate[-20:]) if self.train_rate else 1000.0
         traj_tokens = [len(t["token_ids"]) for s in self.book.steps for t in s.ready]
-        return Observation(
-            now_s=now, cells=cells, cell_capacity=self.cfg.cell_capacity,
-            runs_in_flight=self.rollouts.in_flight(), runs_queued=len(self.book.pending()),
-            runs_future=self.book.future(),
-            run_elapsed_s=np.asarray(self.rollouts.elapsed_s(time.time())),
-            train_ready_tokens=float(self.book.ready_tokens()),
-            train_waiting_tokens=float(self.book.waiting_tokens()),
+        runs = RunsNow(in_flight=self.rollouts.in_flight(), queued=len(self.book.pending()),
+                       future=self.book.future(),
+                       elapsed_s=np.asarray(self.rollouts.elapsed_s(now)),
+                       steps=np.asarray(self.rollouts.run_steps(), dtype=np.int64))
+        return build_observation(
+            cfg=self.cfg, now_s=now - self.t0, table=self.table,
+            cell_runs={c.cell_id: self.cell_runs(c.cell_id, load) for c in self.table.cells},
+            runs=runs, ledger=self.book.work, version=self.book.version,
+            streaming=True,  # the runtime trains every ready group as it comes
             train_tokens_per_cell_s=rate,
-            min_train_cells=math.ceil(self.cfg.training.min_replica_nodes / self.cfg.cluster.cell_nodes),
             tokens_per_run=float(statistics.fmean(traj_tokens)) if traj_tokens else 100.0,
-            policy_version=self.book.version, steps_done=self.book.version,
-            num_steps=self.book.num_steps,
-            handoff_to_train_s=self.cfg.handoff.to_train_s,
-            handoff_to_rollout_s=self.cfg.handoff.to_rollout_s,
-            step_runs_left=self.book.step_runs_left(),
-            run_steps=np.asarray(self.rollouts.run_steps(), dtype=np.int64),
-        )
+            handoff=self.cfg.handoff)
 
     def sample_waterlevel(self) -> dict:
         in_flight = self.rollouts.in_flight() if self.rollouts else 0

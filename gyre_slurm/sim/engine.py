@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import heapq
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,9 +18,11 @@ import numpy as np
 from gyre_slurm.config.phases import step_shape
 from gyre_slurm.config.schema import GyreConfig, HandoffConfig
 from gyre_slurm.sched.cells import Cell, CellTable, Role
-from gyre_slurm.sched.types import CellObs, Decision, Observation, Policy
+from gyre_slurm.sched.ledger import WorkLedger
+from gyre_slurm.sched.observe import RunsNow, build_observation, min_train_cells
+from gyre_slurm.sched.types import Decision, Observation, Policy
 from gyre_slurm.sim.rollout import RUNNING, RolloutCells
-from gyre_slurm.sim.training import Microbatch, StepLedger, train_throughput
+from gyre_slurm.sim.training import Microbatch, train_throughput
 from gyre_slurm.sim.workload import Workload, computed_per_tree_token
 
 FUTURE, QUEUED, DONE = 0, 1, 3
@@ -76,9 +77,9 @@ class Simulator:
                                     llm_fraction=cfg.workload.llm_time_fraction,
                                     half_load_runs=cfg.rollout.half_load_runs,
                                     num_runs=workload.num_runs)
-        self.ledger = StepLedger.build(tokens=workload.tokens, batch=workload.batch,
-                                       group=workload.group, num_steps=workload.num_steps,
-                                       group_size=workload.group_size)
+        self.ledger = WorkLedger(num_steps=workload.num_steps,
+                                 groups_per_step=workload.runs_per_step // workload.group_size,
+                                 group_size=workload.group_size)
         stale = cfg.training.max_staleness
         if policy.max_staleness is not None:
             stale = min(stale, policy.max_staleness)
@@ -186,8 +187,7 @@ class Simulator:
             self.max_staleness_seen = max(self.max_staleness_seen,
                                           step - int(self.version_at_start[run]))
             if self.ledger.run_finished(step=step, group=int(self.w.group[run]),
-                                        tokens=int(self.w.tokens[run]),
-                                        group_size=self.w.group_size):
+                                        tokens=int(self.w.tokens[run])):
                 self.kick_train()
         self.dirty_cells.add(cell)
         self.maybe_drained(cell)
@@ -305,7 +305,7 @@ class Simulator:
         self.mb = Microbatch(end_s=self.now + pause + compute, tokens=tokens, world=world,
                              compute_s=compute)
         self.last_world = world
-        self.ledger.ready[step] -= tokens
+        self.ledger.hand_out(step, tokens)
         self.push(self.mb.end_s, TRAIN_DONE)
 
     def on_train_done(self, _a: int, _b: int) -> None:
@@ -316,8 +316,8 @@ class Simulator:
         if mb.optimizer:
             self.finish_step()
         else:
-            self.ledger.trained[step] += mb.tokens
-            if self.ledger.trained[step] == self.ledger.total[step]:
+            self.ledger.train_done(step, mb.tokens)
+            if self.ledger.step_trained(step):
                 opt = self.cfg.training.optimizer_step_s
                 self.mb = Microbatch(end_s=self.now + opt, tokens=0, world=mb.world,
                                      compute_s=opt, optimizer=True)
@@ -372,34 +372,22 @@ class Simulator:
 
     def observe(self) -> Observation:
         running = np.flatnonzero(self.status == RUNNING)
-        train = self.cfg.training
-        min_cells = math.ceil(train.min_replica_nodes / self.cfg.cluster.cell_nodes)
+        train, step = self.cfg.training, self.version
+        min_cells = min_train_cells(self.cfg)
         cell_tps = train_throughput(train, min_cells * self.cfg.cluster.cell_nodes) / min_cells
-        step = self.version
-        in_progress = self.mb.tokens if self.mb is not None else 0
-        cells = tuple(CellObs(c.cell_id, c.role, c.target, c.standalone,
-                              int(self.rollout.load[c.cell_id]), c.since_s)
-                      for c in self.table.cells)
-        return Observation(
-            now_s=self.now, cells=cells, cell_capacity=self.cap,
-            runs_in_flight=int(running.size), runs_queued=len(self.queue),
-            runs_future=self.w.num_runs - self.num_allowed,
-            run_elapsed_s=self.now - self.start_s[running],
-            train_ready_tokens=float(self.ledger.trainable(step, streaming=self.policy.streaming)),
-            train_waiting_tokens=float(self.ledger.waiting(step, streaming=self.policy.streaming,
-                                                           in_progress=in_progress)),
+        shape = step_shape(self.cfg, min(step, self.w.num_steps - 1))
+        runs = RunsNow(in_flight=int(running.size), queued=len(self.queue),
+                       future=self.w.num_runs - self.num_allowed,
+                       elapsed_s=self.now - self.start_s[running],
+                       steps=self.w.batch[running])
+        return build_observation(
+            cfg=self.cfg, now_s=self.now, table=self.table,
+            cell_runs={c: int(n) for c, n in enumerate(self.rollout.load)}, runs=runs,
+            ledger=self.ledger, version=step, streaming=self.policy.streaming,
             train_tokens_per_cell_s=cell_tps,
-            min_train_cells=min_cells,
             tokens_per_run=float(self.cfg.workload.tokens_mean
-                                 * computed_per_tree_token(self.cfg)
-                                 * step_shape(self.cfg, min(step, self.w.num_steps - 1)).tokens_scale),
-            policy_version=self.version, steps_done=self.version,
-            num_steps=self.w.num_steps,
-            handoff_to_train_s=self.policy_handoff.to_train_s,
-            handoff_to_rollout_s=self.policy_handoff.to_rollout_s,
-            step_runs_left=int(self.ledger.runs_left[step]) if step < self.w.num_steps else 0,
-            run_steps=self.w.batch[running],
-        )
+                                 * computed_per_tree_token(self.cfg) * shape.tokens_scale),
+            handoff=self.policy_handoff)
 
     # -- results ---------------------------------------------------------------------
     def result(self) -> SimResult:
@@ -418,7 +406,7 @@ class Simulator:
             busy_fraction=busy / held if held else 0.0,
             handoffs=len(self.handoff_log),
             handoff_phase_s={k: float(np.mean(v)) for k, v in sorted(phases.items())},
-            trajectories_per_step=[int(x) for x in self.ledger.trajectories],
+            trajectories_per_step=[int(x) for x in self.ledger.runs_ready],
             max_staleness=self.max_staleness_seen,
             runs_finished=int((self.status == DONE).sum()),
             work_done_s=self.work_done, migrations=self.migrations,

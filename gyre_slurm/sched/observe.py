@@ -1,0 +1,57 @@
+"""The one place an `Observation` is built: the coordinator and the simulator each say
+what they see (cells and their runs, runs in flight, measured rates) and hand over
+their `WorkLedger`; everything the policy derives from the config or the ledger is
+computed here, the same way for both. Pure: no I/O, no clock (time is passed in)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from gyre_slurm.config.schema import GyreConfig, HandoffConfig
+from gyre_slurm.sched.cells import CellTable
+from gyre_slurm.sched.ledger import WorkLedger
+from gyre_slurm.sched.types import CellObs, Observation
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunsNow:
+    """The runs as the observer sees them now."""
+
+    in_flight: int
+    queued: int  # allowed to start (batch and staleness), waiting for a slot
+    future: int  # planned, not yet allowed
+    elapsed_s: np.ndarray  # of every run in flight
+    steps: np.ndarray  # the step of every run in flight (as elapsed_s)
+
+
+def min_train_cells(cfg: GyreConfig) -> int:
+    """Cells a training world needs at least: one model replica."""
+    return math.ceil(cfg.training.min_replica_nodes / cfg.cluster.cell_nodes)
+
+
+def build_observation(*, cfg: GyreConfig, now_s: float, table: CellTable,
+                      cell_runs: Mapping[int, int], runs: RunsNow, ledger: WorkLedger,
+                      version: int, streaming: bool, train_tokens_per_cell_s: float,
+                      tokens_per_run: float, handoff: HandoffConfig) -> Observation:
+    """`cell_runs`: runs each cell serves now; `version`: the step being trained;
+    `handoff`: the costs the policy is told (configured or measured)."""
+    cells = tuple(CellObs(c.cell_id, c.role, c.target, c.standalone,
+                          int(cell_runs.get(c.cell_id, 0)), c.since_s) for c in table.cells)
+    return Observation(
+        now_s=now_s, cells=cells, cell_capacity=cfg.cell_capacity,
+        runs_in_flight=runs.in_flight, runs_queued=runs.queued, runs_future=runs.future,
+        run_elapsed_s=runs.elapsed_s,
+        train_ready_tokens=float(ledger.trainable(version, streaming=streaming)),
+        train_waiting_tokens=float(ledger.waiting(version, streaming=streaming)),
+        train_tokens_per_cell_s=train_tokens_per_cell_s,
+        min_train_cells=min_train_cells(cfg),
+        tokens_per_run=tokens_per_run,
+        policy_version=version, steps_done=version, num_steps=ledger.num_steps,
+        handoff_to_train_s=handoff.to_train_s, handoff_to_rollout_s=handoff.to_rollout_s,
+        step_runs_left=ledger.step_runs_left(version),
+        run_steps=runs.steps,
+    )
