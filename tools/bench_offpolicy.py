@@ -2,7 +2,7 @@
 """Measurement (figures, not a test): the off-policy losses on the learnable task with
 stale trajectories and a visibly mismatched sampler.
 
-    tools/gyre-env python tools/bench_offpolicy.py [--steps 16] [--temperature 0.7]
+    tools/gyre-env python tools/bench_offpolicy.py [--steps 16] [--temperature 0.5]
         [--losses ppo_clip,tis,masked_is,decoupled,gspo] [--seed 0] [--out DIR]
         [--plot OUT.png] [--report DIR]
 
@@ -158,7 +158,7 @@ def plot(runs: dict[str, list[dict]], names: list[str], out: Path, title: str) -
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--temperature", type=float, default=0.5)
     p.add_argument("--losses", default=",".join(LOSS_NAMES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="keep the run dirs here")
