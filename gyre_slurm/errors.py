@@ -8,3 +8,8 @@ class UserError(ValueError):
 
 class ConfigError(UserError):
     """A config file or override that does not fit the schema."""
+
+
+class CommandRefused(Exception):
+    """An environment refuses a scaffold's command now (its episode's limits or end); the
+    gateway answers 409 with the message."""

@@ -260,34 +260,40 @@ class Sandbox:
         if self.privileged and self.uid == 0 and isolation == "bwrap":
             raise UserError("sandbox_uid must not be 0: the sandbox never runs as root")
 
-    def argv(self, command: str, *, workdir: Path | None, seccomp_fd: int | None = None
-             ) -> list[str]:
+    def argv(self, command: str, *, workdir: Path | None, seccomp_fd: int | None = None,
+             env_extra: dict[str, str] | None = None) -> list[str]:
         inner = self.limits.prlimit_argv() + ["bash", "-c", command]
         if self.isolation == "none":
             return inner
         outer = bwrap_argv(workdir, hide_paths=self.hide_paths, seccomp_fd=seccomp_fd,
                            privileged=self.privileged)
+        for k, v in (env_extra or {}).items():
+            outer += ["--setenv", k, v]
         return outer + (drop_argv(self.uid) if self.privileged else []) + inner
 
-    async def run(self, command: str) -> CommandResult:
+    async def run(self, command: str, *, env_extra: dict[str, str] | None = None,
+                  pass_fds: tuple[int, ...] = ()) -> CommandResult:
+        """`env_extra`: more environment variables; `pass_fds`: descriptors the command
+        inherits (e.g. a private channel for test results)."""
         t0 = time.monotonic()
-        seccomp_fd, kwargs = None, {}
+        seccomp_fd, kwargs = None, {"pass_fds": tuple(pass_fds)}
         if self.isolation == "bwrap":
             prog = seccomp_program()
             if prog is not None:
                 seccomp_fd = os.memfd_create("gyre-seccomp", 0)
                 os.write(seccomp_fd, prog)
                 os.lseek(seccomp_fd, 0, os.SEEK_SET)
-                kwargs["pass_fds"] = (seccomp_fd,)
+                kwargs["pass_fds"] += (seccomp_fd,)
         else:
             kwargs["env"] = {"PATH": SANDBOX_PATH, "HOME": str(self.workdir), "LANG": "C.UTF-8",
-                             "TERM": "dumb"}
+                             "TERM": "dumb", **(env_extra or {})}
         # Our own pipe (not asyncio's): we close our end when done, so a command that is
         # killed mid-flood, or a grandchild that keeps the pipe, never blocks `wait()`.
         rfd, wfd = os.pipe()
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self.argv(command, workdir=self.workdir, seccomp_fd=seccomp_fd),
+                *self.argv(command, workdir=self.workdir, seccomp_fd=seccomp_fd,
+                           env_extra=env_extra),
                 cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=wfd, stderr=wfd,
                 start_new_session=True, **kwargs)
         except BaseException:

@@ -28,10 +28,19 @@ The episode ends (done=True), and is scored, on: `submit` (end_reason "submit"),
 the `max_steps`-th reply (end_reason "max_steps"), or a command that exceeds a limit
 (end_reason "limit", `info["limit"]` in "time" | "cpu" | "memory" | "fsize" |
 "output"; the observation says which). Scoring copies the tests in, runs
-`test_command` in the same sandbox with the same limits, and reads its output lines
-`PASS <name>` / `FAIL <name>` (anything may follow a colon): reward = (declared tests
-with a PASS and no FAIL) / (declared tests). A test not reported (crash, limit)
-counts as failed. The final `info` holds {"end_reason", "tests": {name: bool},
+`test_command` in the same sandbox with the same limits, and reads the lines
+`PASS <name>` / `FAIL <name>` (anything may follow a colon) that it writes to the
+descriptor named by $GYRE_RESULTS_FD (a pipe of its own: `gyre_runner.py` does this; a
+task's own test command must too), never its output, which the code under test shares:
+printing "PASS x" scores nothing. The scoring run loads nothing the agent left in its
+home (no user site; HOME is elsewhere). Reward = (declared tests with a PASS and no
+FAIL) / (declared tests). A test not reported (crash, limit) counts as failed.
+Code under test still runs in the runner's process, so code written to tamper with the
+runner itself (not merely print) is not ruled out.
+
+External scaffolds (`gyre_slurm.agents.scaffold`) drive the same episode through
+`execute(command)` (one command in the sandbox; a limit is reported, not an end; at
+most `max_steps`) and `evaluate()` (the tests, once the scaffold has ended). The final `info` holds {"end_reason", "tests": {name: bool},
 "num_passed", "num_tests", "test_output" (first 2000 chars), "test_limit"}; every
 step's `info` holds {"step", "exit_code", "limit", "elapsed_s"} (exit_code None when
 no command ran or it was killed). Earlier steps pay 0.0.
@@ -57,13 +66,14 @@ import yaml
 from gyre_slurm.envs.base import StepResult, register_env
 from gyre_slurm.envs.sandbox import (
     ISOLATIONS, Limits, Sandbox, default_sandbox_uid, ensure_bwrap)
-from gyre_slurm.errors import UserError
+from gyre_slurm.errors import CommandRefused, UserError
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 RUNNER = "gyre_runner.py"
 TESTS_SUBDIR = ".gyre_tests"
 SUBMIT = "submit"
 TEST_OUTPUT_CHARS = 2000
+RESULTS_FD = "GYRE_RESULTS_FD"  # where a test command writes its PASS/FAIL lines
 _BLOCK = re.compile(r"```(?:bash|sh)[ \t]*\n(.*?)```", re.DOTALL)
 _RESULT = re.compile(r"^(PASS|FAIL) ([^\s:]+)", re.MULTILINE)
 
@@ -232,6 +242,30 @@ class ShellEnv:
             return await self._end("max_steps", observation, info)
         return StepResult(observation, 0.0, False, info)
 
+    # -- an external scaffold's episode (gyre_slurm.agents.scaffold) ------------------
+    async def execute(self, command: str) -> dict[str, Any]:
+        """Run one command of an external scaffold in the task's sandbox (what `step`
+        does with a reply's block): {"output", "returncode" (None: killed at a limit),
+        "limit", "elapsed_s", "step"}. A limit is reported to the scaffold, which goes
+        on; past `max_steps` commands, or after the episode ended, `CommandRefused`."""
+        if self._done or self._sandbox is None:
+            raise CommandRefused("the episode has ended: no more commands")
+        if self._steps >= self.max_steps:
+            raise CommandRefused(f"the episode's {self.max_steps} commands (max_steps) are "
+                                 "used up; submit")
+        self._steps += 1
+        res = await self._sandbox.run(command)
+        return {"output": res.output, "returncode": res.exit_code, "limit": res.limit,
+                "elapsed_s": res.elapsed_s, "step": self._steps}
+
+    async def evaluate(self) -> StepResult:
+        """The scaffold has ended (its sandbox is gone): the task's tests decide the
+        reward, run now, outside its reach."""
+        if self._sandbox is None:
+            raise RuntimeError("shell: evaluate() before reset()")
+        return await self._end("scaffold_end", "", {"step": self._steps, "exit_code": None,
+                                                    "limit": None, "elapsed_s": 0.0})
+
     async def _end(self, reason: str, observation: str, info: dict) -> StepResult:
         self._done = True
         results, output, limit = await self._run_tests()
@@ -250,8 +284,19 @@ class ShellEnv:
             _rmtree(dest)
         shutil.copytree(self._task.root / "tests", dest)
         shutil.copy2(TASKS_DIR / RUNNER, dest / RUNNER)
-        res = await self._sandbox.run(self._task.test_command)
-        return score(res.output, self._task.tests), res.output, res.limit
+        # Results come back on a pipe of their own, not in the output the code under
+        # test shares: printing "PASS x" scores nothing. Nothing the agent left in its
+        # workdir (its HOME) is loaded first: no user site, no sitecustomize from there.
+        rfd, wfd = os.pipe()
+        try:
+            res = await self._sandbox.run(self._task.test_command, pass_fds=(wfd,), env_extra={
+                RESULTS_FD: str(wfd), "PYTHONNOUSERSITE": "1", "PYTHONSAFEPATH": "1",
+                "HOME": "/tmp" if self.isolation == "bwrap" else str(self.workdir)})
+        finally:
+            os.close(wfd)
+        with os.fdopen(rfd, "rb") as results:
+            verdicts = results.read(1 << 20).decode("utf-8", errors="replace")
+        return score(verdicts, self._task.tests), res.output, res.limit
 
     async def close(self) -> None:
         self._done = True
