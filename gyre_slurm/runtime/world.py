@@ -32,13 +32,14 @@ stands).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import shutil
 import time
 from pathlib import Path
 
-import shutil
-
 from gyre_slurm.common.fsio import write_json_atomic
 from gyre_slurm.runtime.control import ControlClient
+from gyre_slurm.train.layout import HandoffPlan, layout, plan_handoff
 
 
 class TrainWorld:
@@ -88,9 +89,8 @@ class TrainWorld:
         timings: dict[str, float] = {}
         if old == new:
             return timings
-        staying = [] if self.reshard else [n for n in old if n in new]
+        plan = self._plan(old, new)
         self.standing = False
-        R = self.ranks_per_node
         previous = self.handover
         if old and self.reshard:  # the whole state, resharded by whoever loads it
             path = self.run_dir / "trainer_state" / f"gen{self.generation:06d}"
@@ -98,38 +98,53 @@ class TrainWorld:
             await self._all(old, "/cmd/save", {"path": str(path)})
             self.handover = path
         elif old:  # gradients so far end up on a member that stays (or the handover file)
-            keep = old.index(staying[0]) * R if staying else 0
+            keep = plan.keep_old_rank if plan.staying else 0
             await self._all(old, "/cmd/flush", {"keep_rank": keep})
-        if old and not staying and not self.reshard:
+        if old and not plan.staying and not self.reshard:
             self.state_file.parent.mkdir(parents=True, exist_ok=True)
             await self.agents[old[0]].post("/cmd/save", {"path": str(self.state_file)})
             self.handover = self.state_file
         timings["flush_s"] = time.monotonic() - t0
         t1 = time.monotonic()
-        leaving = [n for n in old if n not in new]
-        if leaving:
-            await self._all(leaving, "/cmd/leave")
+        if plan.leaving:
+            await self._all([node for node, _ in plan.leaving], "/cmd/leave")
         self.members = new
         if new:
-            self.generation += 1
-            src = new.index(staying[0]) * R if staying else 0
-            checkpoint = None if staying else self.handover
-            results = await self._all(new, "/cmd/join", {
-                "generation": self.generation, "world_size": len(new) * R,
-                "store_host": self.store_host, "store_port": self.store_port,
-                "backend": self.backend, "src_rank": src,
-                "init_weights": str(self.init_weights),
-                "checkpoint": str(checkpoint) if checkpoint else None,
-            }, per_rank=lambda pos, _node: {"rank": pos * R})
-            for res in results:
-                for key, value in res.items():
-                    if isinstance(value, (int, float)):
-                        timings[key] = max(timings.get(key, 0.0), float(value))
+            timings.update(await self._join(new, plan))
             self.standing = True
         timings["rebuild_s"] = time.monotonic() - t1
         if (self.reshard and previous is not None and previous != self.handover
                 and previous.parent == self.run_dir / "trainer_state"):
             shutil.rmtree(previous, ignore_errors=True)  # the new world stands without it
+        return timings
+
+    def _plan(self, old: list[int], new: list[int]) -> HandoffPlan:
+        """`train.layout.plan_handoff` over the members, node by node in their order (a
+        member's first rank is its position x ranks_per_node). A resharding trainer keeps
+        no member's state across a rebuild: every state goes through the handover."""
+        R = self.ranks_per_node
+        plan = plan_handoff(layout(old, nodes_per_cell=1, ranks_per_node=R) if old else None,
+                            layout(new, nodes_per_cell=1, ranks_per_node=R))
+        if self.reshard:
+            plan = dataclasses.replace(plan, staying=(), keep_old_rank=None, src_rank=None)
+        return plan
+
+    async def _join(self, new: list[int], plan: HandoffPlan) -> dict:
+        """Every member joins the next generation; the slowest member's phase timings."""
+        self.generation += 1
+        checkpoint = None if plan.staying else self.handover
+        results = await self._all(new, "/cmd/join", {
+            "generation": self.generation, "world_size": len(new) * self.ranks_per_node,
+            "store_host": self.store_host, "store_port": self.store_port,
+            "backend": self.backend, "src_rank": plan.src_rank if plan.staying else 0,
+            "init_weights": str(self.init_weights),
+            "checkpoint": str(checkpoint) if checkpoint else None,
+        }, per_rank=lambda _pos, node: {"rank": plan.new_ranks[(node, 0)]})
+        timings: dict[str, float] = {}
+        for res in results:
+            for key, value in res.items():
+                if isinstance(value, (int, float)):
+                    timings[key] = max(timings.get(key, 0.0), float(value))
         return timings
 
     async def drop(self, lost: list[int], *, restore: Path | None) -> dict:

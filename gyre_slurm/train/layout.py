@@ -6,12 +6,15 @@ cell by cell, node by node: rank = (cell position * nodes_per_cell + node) *
 ranks_per_node + local rank. A model replica spans `tp * pp` consecutive ranks, which
 must either fit inside one cell or be whole cells (so no replica straddles a cell
 boundary and a handoff moves whole replicas); data parallelism runs across replicas:
-dp = world_size / (tp * pp). Today ranks_per_node = tp = pp = 1.
+dp = world_size / (tp * pp).
 
 A node is named by (cell_id, node index inside its cell). `plan_handoff` turns an old and
-a new layout into what each node does at a rebuild: the ranks in the new world, which
-nodes join or leave, which old rank keeps the flushed gradients (one that stays), and
-which new rank broadcasts weights and optimizer state (a member of the old world).
+a new layout into what each node does at a rebuild: the ranks in the new world (its
+first local rank's), which nodes join or leave, which old rank keeps the flushed
+gradients (one that stays), and which new rank broadcasts weights and optimizer state (a
+member of the old world). `runtime.world.TrainWorld.rebuild` follows it, listing the
+members node by node (a layout of one-node units in the members' order, whose ranks are
+the same).
 """
 
 from __future__ import annotations
@@ -100,7 +103,8 @@ class HandoffPlan:
 
 
 def plan_handoff(old: TrainLayout | None, new: TrainLayout) -> HandoffPlan:
-    """What a rebuild from `old` to `new` asks of each node (one rank per node)."""
+    """What a rebuild from `old` to `new` asks of each node (ranks: its first local
+    rank's)."""
     old_nodes = old.nodes if old is not None else []
     new_ranks = new.node_ranks()
     staying = tuple(n for n in old_nodes if n in new_ranks)
