@@ -58,13 +58,26 @@ class RunResult:
     error: str | None
     t_start: float
     t_end: float
+    # The failure was the server's, not the run's: the gateway answered 502 (the engine
+    # under the call failed) or 503 (no server available). Not part of the run record.
+    interrupted: bool = False
 
     def to_record(self) -> dict[str, Any]:
-        return asdict(self)
+        record = asdict(self)
+        del record["interrupted"]
+        return record
+
+
+SERVER_FAILED = (502, 503)  # the gateway's answers when the server under a call failed
 
 
 class CallError(Exception):
-    """A model call that failed; its message is the run's `error`."""
+    """A model call that failed; its message is the run's `error`, `http_status` the
+    answer's status (None: no answer)."""
+
+    def __init__(self, message: str, *, http_status: int | None = None):
+        super().__init__(message)
+        self.http_status = http_status
 
 
 def rough_tokens(text: str) -> int:
@@ -92,7 +105,7 @@ async def chat(session: aiohttp.ClientSession, *, url: str, api_key: str, body: 
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             text = await resp.text()
             if resp.status // 100 != 2:
-                raise CallError(f"HTTP {resp.status}: {text[:200]}")
+                raise CallError(f"HTTP {resp.status}: {text[:200]}", http_status=resp.status)
     except asyncio.TimeoutError as exc:
         raise CallError(f"model call timed out after {timeout_s:g}s") from exc
     except aiohttp.ClientError as exc:
@@ -157,6 +170,7 @@ async def run_agent(*, base_url: str, api_key: str, env: Environment, task: Task
               "call_timeout_s": call_timeout_s, "model": model, "run_seed": run_seed}
     url = base_url.rstrip("/") + "/chat/completions"
     state, error, status, reward = _State(), None, "failed", 0.0
+    interrupted = False
     own = session is None
     if own:
         session = aiohttp.ClientSession()
@@ -164,7 +178,7 @@ async def run_agent(*, base_url: str, api_key: str, env: Environment, task: Task
         status, reward = await _episode(session, env=env, task=task, url=url,
                                         api_key=api_key, params=params, state=state)
     except CallError as exc:
-        error = str(exc)
+        error, interrupted = str(exc), exc.http_status in SERVER_FAILED
     except Exception as exc:  # an env failure ends the run, never the caller
         log.warning("run %s: environment error", run_id, exc_info=True)
         error = f"environment error: {type(exc).__name__}: {exc}"
@@ -175,4 +189,4 @@ async def run_agent(*, base_url: str, api_key: str, env: Environment, task: Task
         log.info("run %s failed: %s", run_id, error)
     return RunResult(run_id=run_id, task_id=task.task_id, reward=reward, status=status,
                      num_calls=state.num_calls, num_compactions=state.num_compactions,
-                     error=error, t_start=t_start, t_end=time.time())
+                     error=error, t_start=t_start, t_end=time.time(), interrupted=interrupted)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from pathlib import Path
 
@@ -29,8 +28,6 @@ from gyre_slurm.runtime.book import StepBook
 from gyre_slurm.runtime.rundir import RunDir
 
 log = logging.getLogger(__name__)
-
-SERVER_FAILED = re.compile(r"^HTTP 50[23]\b")
 
 
 class RolloutManager:
@@ -125,15 +122,15 @@ class RolloutManager:
                 context_budget_tokens=agent.context_budget_tokens, max_tokens=agent.max_tokens,
                 temperature=agent.temperature,
                 run_seed=run_seed_of(self.cfg.seed, entry.run_id)), timeout=agent.run_timeout_s)
-            record = result.to_record()
+            record, interrupted = result.to_record(), result.interrupted
         except asyncio.TimeoutError:
+            interrupted = False
             record = {"run_id": entry.run_id, "task_id": task.task_id, "reward": 0.0,
                       "status": "timeout", "error": f"run exceeded {agent.run_timeout_s:g}s"}
         finally:
             await env.close()
         record.update(step=entry.step, prompt=entry.prompt, member=entry.member)
-        if (record["status"] == "failed" and SERVER_FAILED.match(record.get("error") or "")
-                and entry.attempt + 1 < faults.max_run_attempts):
+        if interrupted and entry.attempt + 1 < faults.max_run_attempts:
             self.restart(entry.run_id, reason=record["error"])
         else:
             self.finish(entry.run_id, record)
