@@ -222,24 +222,27 @@ def test_engine_commands_over_the_control_channel_say_what_was_wrong(agent_env):
 def test_a_restart_answer_goes_to_the_gateway_only_while_the_cell_serves_with_it(tmp_path):
     """The coordinator's side: a restarted engine whose cell was handed to training (or
     whose server was replaced) meanwhile is not put back into the gateway."""
-    from gyre_slurm.runtime.recovery import _restart_serves
-    from gyre_slurm.sched.cells import CellTable, Role
+    from gyre_slurm.runtime.job import JobState, ServerId
+    from gyre_slurm.runtime.recovery import Recovery
+    from gyre_slurm.sched.cells import Role
 
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [])
     coord = Coordinator(cfg, tmp_path / "run")
     coord.rd.create(cfg)
-    coord.table = CellTable.build([f"node{i}" for i in range(4)], cell_nodes=1,
-                                  min_rollout_cells=1, min_train_cells=1)
-    old, sid, answer = object(), "cell2-n2-s0", {"restarted": True, "base_url": "http://x"}
-    coord.engine_clients = {2: {sid: old}}
-    assert _restart_serves(coord, 2, sid, old, answer)
-    coord.engine_clients = {2: {sid: object()}}  # replaced meanwhile
-    assert not _restart_serves(coord, 2, sid, old, answer)
-    coord.engine_clients = {2: {sid: old}}
-    coord.table.begin_handoff(2, Role.TRAIN, now_s=1.0)  # handed to training meanwhile
-    assert not _restart_serves(coord, 2, sid, old, answer)
+    job: JobState = coord.job
+    recovery = Recovery(job=job, world=None, gateway=None, agents={}, launcher=None,
+                        started_from=None)
+    old, sid = object(), ServerId(cell=2, node=2, index=0)
+    answer = {"restarted": True, "base_url": "http://x"}
+    job.engine_clients = {2: {sid: old}}
+    assert recovery.restart_serves(2, sid, old, answer)
+    job.engine_clients = {2: {sid: object()}}  # replaced meanwhile
+    assert not recovery.restart_serves(2, sid, old, answer)
+    job.engine_clients = {2: {sid: old}}
+    job.table.begin_handoff(2, Role.TRAIN, now_s=1.0)  # handed to training meanwhile
+    assert not recovery.restart_serves(2, sid, old, answer)
     lines = (coord.rd.path / "events.jsonl").read_text().splitlines()
     dropped = [e for e in map(json.loads, lines) if e["kind"] == "engine_restart_dropped"]
-    assert [e["reason"] for e in dropped] == [
-        "the server was replaced meanwhile",
-        "the cell is draining now, no longer serving"], dropped
+    assert [(e["server"], e["reason"]) for e in dropped] == [
+        ("cell2-n2-s0", "the server was replaced meanwhile"),
+        ("cell2-n2-s0", "the cell is draining now, no longer serving")], dropped

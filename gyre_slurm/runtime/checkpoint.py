@@ -48,12 +48,15 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from gyre_slurm.errors import UserError
 from gyre_slurm.models import tiny
-from gyre_slurm.runtime.book import run_id_of
+from gyre_slurm.runtime.book import StepBook, run_id_of
+from gyre_slurm.runtime.rundir import RunDir
+from gyre_slurm.runtime.world import TrainWorld
 from gyre_slurm.common.fsio import (
     BadLine, DiskFull, drop_torn_tail, free_bytes, fsync_dir, is_disk_full, read_jsonl,
     write_bytes_atomic, write_json_atomic,
@@ -68,11 +71,10 @@ LOW_SPACE_BYTES = 16 << 20  # a checkpoint write that failed with less left: dis
 
 
 # -- writing ---------------------------------------------------------------------------
-async def save(coord, *, node: int | None = None) -> None:
-    """Checkpoint the current version (`node`: the member that writes a replicated
-    trainer's state; default the world's first)."""
-    rd = coord.rd
-    version = coord.book.version
+async def save(*, rd: RunDir, world: TrainWorld, version: int, config_name: str,
+               node: int | None = None) -> None:
+    """Checkpoint policy `version`, the state `world` trains (`node`: the member that
+    writes a replicated trainer's state; default the world's first)."""
     name = f"step_{version:06d}"
     final = rd.checkpoints / name
     tmp = rd.checkpoints / f".tmp-{name}"
@@ -80,10 +82,10 @@ async def save(coord, *, node: int | None = None) -> None:
     t0 = time.monotonic()
     try:
         tmp.mkdir(parents=True)
-        await coord.world.save(tmp / coord.world.state_name, node=node)
-        if not (tmp / coord.world.state_name).exists():  # never commit one without it
-            raise RuntimeError(f"the trainer wrote no {coord.world.state_name} into {tmp}")
-        write_json_atomic(tmp / "coordinator.json", {"version": version, "name": coord.cfg.name,
+        await world.save(tmp / world.state_name, node=node)
+        if not (tmp / world.state_name).exists():  # never commit one without it
+            raise RuntimeError(f"the trainer wrote no {world.state_name} into {tmp}")
+        write_json_atomic(tmp / "coordinator.json", {"version": version, "name": config_name,
                                                      "t": time.time()})
         manifest = await asyncio.to_thread(write_manifest, tmp)
         if final.exists():
@@ -99,7 +101,7 @@ async def save(coord, *, node: int | None = None) -> None:
              seconds=time.monotonic() - t0, bytes=manifest_bytes(manifest))
 
 
-def _explain_save_failure(rd, name: str, tmp: Path, exc: Exception,
+def _explain_save_failure(rd: RunDir, name: str, tmp: Path, exc: Exception,
                           free: int | None) -> Exception:
     """A disk-full failure becomes `DiskFull`: by its errno or text, or, since the
     trainer's error may have lost both on the way (torch.save says "unexpected pos"),
@@ -256,8 +258,16 @@ def choose_checkpoint(run_dir: Path) -> Choice:
 
 
 # -- resuming --------------------------------------------------------------------------
-def load_for_resume(coord) -> int:
-    rd = coord.rd
+@dataclass(frozen=True)
+class Resume:
+    """Where a resumed job starts: the policy version, and the trainer state of the
+    checkpoint that holds it (None: nothing trained yet, the initial weights)."""
+
+    version: int
+    state: Path | None
+
+
+def load_for_resume(rd: RunDir) -> Resume:
     if not (rd.path / "config.yaml").is_file():
         raise UserError(f"--resume: {rd.path} is not a run dir (no config.yaml)")
     _drop_torn_tails(rd)
@@ -271,9 +281,8 @@ def load_for_resume(coord) -> int:
                  reason=choice.latest_raw)
     if choice.chosen is None:
         if not choice.rejected and not choice.latest_raw:
-            coord.resume_state = None
             _drop_uncommitted_stream(rd, 0)
-            return 0  # nothing trained yet: start from v0, replaying finished runs
+            return Resume(0, None)  # nothing trained yet: from v0, replaying finished runs
         lines = [f"  {p.name}: {why}" for p, why in choice.rejected]
         lines += [f"  latest: {choice.latest_raw}"] if choice.latest_raw else []
         raise UserError(
@@ -292,10 +301,9 @@ def load_for_resume(coord) -> int:
     if not ok.checksummed:
         log.info("--resume: %s has no %s (written before manifests): files not checksummed",
                  ok.path, MANIFEST)
-    coord.resume_state = ok.state
     rd.event("resume", checkpoint=str(ok.path), version=ok.version, checksummed=ok.checksummed)
     _drop_uncommitted_stream(rd, ok.version)
-    return ok.version
+    return Resume(ok.version, ok.state)
 
 
 def _move_aside(path: Path) -> None:
@@ -308,7 +316,7 @@ def _move_aside(path: Path) -> None:
     log.warning("--resume: moved the rejected %s to %s", path, aside)
 
 
-def _drop_torn_tails(rd) -> None:
+def _drop_torn_tails(rd: RunDir) -> None:
     """A crash may have cut a line short; the resumed job appends after it, so it goes."""
     for path in (rd.events_file, rd.runs_file, rd.path / "runs" / "started.jsonl"):
         cut = drop_torn_tail(path)
@@ -319,7 +327,7 @@ def _drop_torn_tails(rd) -> None:
             rd.event("torn_tail_dropped", path=str(path), offset=offset, bytes=num_bytes)
 
 
-def _drop_uncommitted_stream(rd, version: int) -> None:
+def _drop_uncommitted_stream(rd: RunDir, version: int) -> None:
     """Micro-batches of steps the checkpoint does not hold were never applied to the
     weights: they are trained again, so their old files go (the stream dir then lists
     exactly what the committed steps trained)."""
@@ -328,9 +336,9 @@ def _drop_uncommitted_stream(rd, version: int) -> None:
             path.unlink()
 
 
-def replay_runs(coord) -> None:
-    """Feed the ledger what the previous coordinator recorded (see module docstring)."""
-    book, rd = coord.book, coord.rd
+def replay_runs(*, book: StepBook, rd: RunDir, finish: Callable[[str, dict], None]) -> None:
+    """Feed the ledger what the previous coordinator recorded (see module docstring):
+    `finish(run_id, record)` ends a recorded run as the rollout manager does."""
     ended = {rec["run_id"]: rec for rec in _records(rd, rd.runs_file)}
     started = {rec["run_id"] for rec in _records(rd, rd.path / "runs" / "started.jsonl")}
     for step in range(book.version, book.num_steps):
@@ -342,12 +350,12 @@ def replay_runs(coord) -> None:
             rid = _to_attempt(book, rid, attempt)
             if rid in ended:
                 book.start(rid)
-                coord.rollouts.finish(rid, ended[rid])
+                finish(rid, ended[rid])
             elif rid in started:
                 book.restart(rid)
 
 
-def _records(rd, path: Path):
+def _records(rd: RunDir, path: Path):
     """The run records of a JSON-lines file; corrupt lines are reported and skipped."""
     def report(bad: BadLine) -> None:
         rd.event("corrupt_line", **bad.to_json())

@@ -25,202 +25,205 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from gyre_slurm.models import tiny
+from gyre_slurm.runtime.control import ControlClient
+from gyre_slurm.runtime.job import JobState, ServerId
+from gyre_slurm.runtime.recovery import Recovery, catch_up
+from gyre_slurm.runtime.world import TrainWorld
 from gyre_slurm.sched.cells import Role
 from gyre_slurm.sched.types import Decision
 
 log = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 120.0  # a server that has not loaded new weights by then is restarted
 
-
-def start(coord, decisions: list[Decision]) -> None:
-    to_train = [d for d in decisions if d.to_role is Role.TRAIN and d.cause != "cancel_drain"]
-    to_rollout = [d for d in decisions if d.to_role is Role.ROLLOUT and d.cause != "cancel_drain"]
-    for group, fn in ((to_train, to_train_cells), (to_rollout, to_rollout_cells)):
-        if group:
-            cells = [d.cell_id for d in group]
-            coord.busy_cells.update(cells)
-            wait = any(d.drain == "wait" for d in group)
-            task = asyncio.create_task(_guard(coord, fn, cells, wait))
-            coord.handoff_tasks.add(task)
-            task.add_done_callback(coord.handoff_tasks.discard)
+Move = Callable[[list[int], bool], Awaitable[None]]  # a handoff of cells; wait drain or not
 
 
-async def _guard(coord, fn, cells: list[int], wait: bool) -> None:
-    from gyre_slurm.runtime import recovery
+class Handoffs:
+    """Executes the policy's decisions (DESIGN 6) and keeps the rollout servers on the
+    current policy, on the job's shared state through the services it names."""
 
-    try:
-        await fn(coord, cells, wait=wait)
-    except Exception as exc:  # noqa: BLE001 - a failed handoff stops the job, loudly
-        verdict = await recovery.lost_during(coord, cells, exc)
-        error = f"{type(exc).__name__}: {exc}"[:500]
-        if verdict == "abandon":
-            coord.rd.event("handoff_abandoned", cells=cells, error=error)
-            return
-        if verdict == "resume":
-            coord.rd.event("handoff_resumed", cells=cells, error=error)
-            try:
-                await _finish_without_lost(coord, fn, cells)
+    def __init__(self, *, job: JobState, world: TrainWorld, gateway,
+                 agents: dict[int, ControlClient], recovery: Recovery):
+        self.job, self.world, self.gateway = job, world, gateway
+        self.agents, self.recovery = agents, recovery
+
+    def start(self, decisions: list[Decision]) -> None:
+        """Hand off the decided cells in the background, one handoff per direction."""
+        job = self.job
+        moves: list[tuple[list[Decision], Move]] = [
+            ([d for d in decisions if d.to_role is Role.TRAIN and d.cause != "cancel_drain"],
+             self.to_train),
+            ([d for d in decisions if d.to_role is Role.ROLLOUT and d.cause != "cancel_drain"],
+             self.to_rollout)]
+        for group, move in moves:
+            if group:
+                cells = [d.cell_id for d in group]
+                job.busy_cells.update(cells)
+                wait = any(d.drain == "wait" for d in group)
+                job.spawn(self._guard(move, cells, wait))
+
+    async def _guard(self, move: Move, cells: list[int], wait: bool) -> None:
+        job = self.job
+        try:
+            await move(cells, wait)
+        except Exception as exc:  # noqa: BLE001 - a failed handoff stops the job, loudly
+            verdict = await self.recovery.lost_during(cells, exc)
+            error = f"{type(exc).__name__}: {exc}"[:500]
+            if verdict == "abandon":
+                job.rd.event("handoff_abandoned", cells=cells, error=error)
                 return
-            except Exception as again:  # noqa: BLE001 - as below
-                exc = again
-        log.exception("handoff of cells %s failed", cells)
-        coord.rd.event("handoff_failed", cells=cells, error=f"{type(exc).__name__}: {exc}")
-        coord.failure = exc
-    finally:
-        coord.busy_cells.difference_update(cells)
+            if verdict == "resume":
+                job.rd.event("handoff_resumed", cells=cells, error=error)
+                try:
+                    await self._finish_without_lost(move, cells)
+                    return
+                except Exception as again:  # noqa: BLE001 - as below
+                    exc = again
+            log.exception("handoff of cells %s failed", cells)
+            job.rd.event("handoff_failed", cells=cells, error=f"{type(exc).__name__}: {exc}")
+            job.failure.set(exc)
+        finally:
+            job.busy_cells.difference_update(cells)
 
+    async def _finish_without_lost(self, move: Move, cells: list[int]) -> None:
+        """A node the handoff needed was lost: its cells that are left (all loading: only
+        the engine release, the rebuild and the engine start talk to nodes) finish it,
+        in a world rebuilt without the lost node (`Recovery.rebuild_without_lost`)."""
+        job, world = self.job, self.world
+        to_train = move == self.to_train
+        t0 = time.monotonic()
+        live = [c for c in cells if job.table[c].role is Role.LOADING]
+        moving = {n for c in live for n in job.nodes_of(c)}
+        async with world.lock:
+            await self.recovery.rebuild_without_lost()
+            if to_train:
+                new = (set(world.nodes) | moving) - self.recovery.failed_nodes()
+            else:
+                new = set(world.nodes) - moving
+            await world.rebuild(sorted(new))
+        if not to_train:
+            await asyncio.gather(*(self.bring_up_engine(c) for c in live
+                                   if not job.engine_clients.get(c)))
+        for c in live:
+            job.table.finish_handoff(c, now_s=job.now_s())
+        job.rd.event("handoff", direction="rollout->train" if to_train else "train->rollout",
+                     cells=live, resumed=True, total_s=time.monotonic() - t0, drain_s=0.0,
+                     rebuild_s=0.0)
 
-async def _finish_without_lost(coord, fn, cells: list[int]) -> None:
-    """A node the handoff needed was lost: its cells that are left (all loading: only
-    the engine release, the rebuild and the engine start talk to nodes) finish it, in a
-    world rebuilt without the lost node (`recovery.rebuild_without_lost`)."""
-    from gyre_slurm.runtime import recovery
-    from gyre_slurm.sched.cells import Role as R
+    async def bring_up_engine(self, cell: int) -> float:
+        """Start (or resume) the servers of every node of the cell, bring them to the
+        current policy and add them to the gateway; the slowest node's start seconds."""
+        from gyre_slurm.engines import make_client
 
-    t0 = time.monotonic()
-    live = [c for c in cells if coord.table[c].role is R.LOADING]
-    moving = {n for c in live for n in coord.nodes_of(c)}
-    async with coord.world.lock:
-        await recovery.rebuild_without_lost(coord)
-        if fn is to_train_cells:
-            new = (set(coord.world.nodes) | moving) - recovery.failed_nodes(coord)
-        else:
-            new = set(coord.world.nodes) - moving
-        await coord.world.rebuild(sorted(new))
-    if fn is to_rollout_cells:
-        await asyncio.gather(*(bring_up_engine(coord, c) for c in live
-                               if not coord.engine_clients.get(c)))
-    for c in live:
-        coord.table.finish_handoff(c, now_s=time.time() - coord.t0)
-    coord.rd.event("handoff", direction="rollout->train" if fn is to_train_cells
-                   else "train->rollout", cells=live, resumed=True,
-                   total_s=time.monotonic() - t0, drain_s=0.0, rebuild_s=0.0)
+        job = self.job
+        version = job.book.version
+        nodes = job.nodes_of(cell)
+        results = await asyncio.gather(*(self.agents[n].post("/cmd/start_engine",
+                                                             {"version": version})
+                                         for n in nodes))
+        clients = {}
+        for node, res in zip(nodes, results):
+            if res.get("replaced"):
+                job.rd.event("engine_replaced", cell=cell, node=node, when="resume",
+                             reason=res["replaced"][:300])
+            for k, url in enumerate(res["base_urls"]):
+                clients[ServerId(cell, node, k)] = make_client(
+                    res.get("engine_kind", "embedded"), url, job.rd.secret(),
+                    release_mode=job.cfg.release_mode)
+        await catch_up(list(clients.values()), job, version)  # a step finished meanwhile
+        job.engine_clients[cell] = clients
+        for sid, client in clients.items():
+            self.gateway.add_server(str(sid), client, capacity=max(
+                1, job.cfg.cell_capacity // len(clients)))
+        return max(float(res.get("engine_start_s", 0.0)) for res in results)
 
+    async def load_weights_everywhere(self, version: int) -> None:
+        """Every serving engine loads the new policy in place, between calls, through the
+        gateway's own client (the one that records which version answered each call)."""
+        job = self.job
+        cells = [c for c in job.engine_clients if c not in job.busy_cells and
+                 job.table[c].role is Role.ROLLOUT]
+        t0 = time.monotonic()
+        path = str(tiny.weights_dir(job.rd.path, version))
+        servers = [(c, sid, client) for c in cells
+                   for sid, client in list(job.engine_clients[c].items())]
+        results = await asyncio.gather(*(
+            asyncio.wait_for(client.load_weights(path, version), LOAD_TIMEOUT_S)
+            for _, _, client in servers), return_exceptions=True)
+        failed = []
+        for (c, sid, _), res in zip(servers, results):
+            if isinstance(res, BaseException):  # it must not serve the old version on
+                failed.append(str(sid))
+                if str(sid) in self.gateway.server_load():
+                    self.gateway.drain_server(str(sid))
+                self.recovery.request_restart(c, sid, reason=f"weight load failed: "
+                                              f"{type(res).__name__}: {res}")
+        job.rd.event("weights_loaded", version=version, cells=cells, failed=failed,
+                     seconds=time.monotonic() - t0)
 
-def server_ids(coord, cell: int) -> list[str]:
-    return list(coord.engine_clients.get(cell, {}))
-
-
-async def bring_up_engine(coord, cell: int) -> float:
-    """Start (or resume) the servers of every node of the cell, bring them to the
-    current policy and add them to the gateway; the slowest node's start seconds."""
-    from gyre_slurm.engines import make_client
-
-    version = coord.book.version
-    nodes = coord.nodes_of(cell)
-    results = await asyncio.gather(*(coord.agents[n].post("/cmd/start_engine",
-                                                          {"version": version})
-                                     for n in nodes))
-    clients = {}
-    for node, res in zip(nodes, results):
-        if res.get("replaced"):
-            coord.rd.event("engine_replaced", cell=cell, node=node, when="resume",
-                           reason=res["replaced"][:300])
-        for k, url in enumerate(res["base_urls"]):
-            clients[f"cell{cell}-n{node}-s{k}"] = make_client(
-                res.get("engine_kind", "embedded"), url, coord.rd.secret(),
-                release_mode=coord.cfg.release_mode)
-    while coord.book.version != version:  # a step finished meanwhile: catch up
-        version = coord.book.version
-        path = str(tiny.weights_dir(coord.rd.path, version))
-        await asyncio.gather(*(c.load_weights(path, version) for c in clients.values()))
-    coord.engine_clients[cell] = clients
-    for sid, client in clients.items():
-        coord.gateway.add_server(sid, client, capacity=max(
-            1, coord.cfg.cell_capacity // len(clients)))
-    return max(float(res.get("engine_start_s", 0.0)) for res in results)
-
-
-async def load_weights_everywhere(coord, version: int) -> None:
-    """Every serving engine loads the new policy in place, between calls, through the
-    gateway's own client (the one that records which version answered each call)."""
-    from gyre_slurm.runtime import recovery
-
-    cells = [c for c in coord.engine_clients if c not in coord.busy_cells and
-             coord.table[c].role is Role.ROLLOUT]
-    t0 = time.monotonic()
-    path = str(tiny.weights_dir(coord.rd.path, version))
-    servers = [(c, sid, client) for c in cells
-               for sid, client in list(coord.engine_clients[c].items())]
-    results = await asyncio.gather(*(
-        asyncio.wait_for(client.load_weights(path, version), LOAD_TIMEOUT_S)
-        for _, _, client in servers), return_exceptions=True)
-    failed = []
-    for (c, sid, _), res in zip(servers, results):
-        if isinstance(res, BaseException):  # it must not serve the old version on
-            failed.append(sid)
-            if sid in coord.gateway.server_load():
-                coord.gateway.drain_server(sid)
-            recovery.request_restart(coord, c, sid, reason=f"weight load failed: "
-                                     f"{type(res).__name__}: {res}")
-    coord.rd.event("weights_loaded", version=version, cells=cells, failed=failed,
-                   seconds=time.monotonic() - t0)
-
-
-async def to_train_cells(coord, cells: list[int], *, wait: bool) -> None:
-    t0 = time.monotonic()
-    for c in cells:
-        coord.table.begin_handoff(c, Role.TRAIN, now_s=time.time() - coord.t0)
-        for sid in server_ids(coord, c):
-            coord.gateway.drain_server(sid)
-    while any(_busy(coord, c, wait=wait) for c in cells):
-        await asyncio.sleep(0.05)
-    phases = {"drain_s": time.monotonic() - t0}
-    t1 = time.monotonic()
-    for c in cells:
-        for sid, client in coord.engine_clients.pop(c).items():
-            coord.gateway.remove_server(sid)
-            await client.close()
-        coord.table.begin_loading(c, now_s=time.time() - coord.t0)
-    pairs = [(c, n) for c in cells for n in coord.nodes_of(c)]
-    released = await asyncio.gather(*(coord.agents[n].post("/cmd/release_engine")
-                                      for _, n in pairs))
-    for (c, n), res in zip(pairs, released):
-        if res.get("killed"):
-            coord.rd.event("engine_replaced", cell=c, node=n, when="release",
-                           reason=res["killed"][:300])
-    phases["engine_release_s"] = time.monotonic() - t1
-    from gyre_slurm.runtime.recovery import failed_nodes
-
-    async with coord.world.lock:
-        new = sorted((set(coord.world.nodes) | {n for c in cells for n in coord.nodes_of(c)})
-                     - failed_nodes(coord))
-        phases.update(await coord.world.rebuild(new))
-    for c in cells:
-        coord.table.finish_handoff(c, now_s=time.time() - coord.t0)
-    phases["total_s"] = time.monotonic() - t0
-    coord.rd.event("handoff", direction="rollout->train", cells=cells, **phases)
-
-
-async def to_rollout_cells(coord, cells: list[int], *, wait: bool = False) -> None:
-    t0 = time.monotonic()
-    for c in cells:
-        coord.table.begin_handoff(c, Role.ROLLOUT, now_s=time.time() - coord.t0)
-    async with coord.world.lock:  # the current micro-batch finishes first
-        phases = {"drain_s": time.monotonic() - t0}
+    async def to_train(self, cells: list[int], wait: bool) -> None:
+        job, world = self.job, self.world
+        t0 = time.monotonic()
         for c in cells:
-            coord.table.begin_loading(c, now_s=time.time() - coord.t0)
-        leaving = {n for c in cells for n in coord.nodes_of(c)}
-        phases.update(await coord.world.rebuild([n for n in coord.world.nodes
-                                                 if n not in leaving]))
-    t1 = time.monotonic()
-    starts = await asyncio.gather(*(bring_up_engine(coord, c) for c in cells))
-    phases["engine_start_s"] = time.monotonic() - t1
-    phases["engine_start_each_s"] = max(starts)
-    for c in cells:
-        coord.table.finish_handoff(c, now_s=time.time() - coord.t0)
-    phases["total_s"] = time.monotonic() - t0
-    coord.rd.event("handoff", direction="train->rollout", cells=cells, **phases)
+            job.table.begin_handoff(c, Role.TRAIN, now_s=job.now_s())
+            for sid in job.server_ids(c):
+                self.gateway.drain_server(str(sid))
+        while any(self._busy(c, wait=wait) for c in cells):
+            await asyncio.sleep(0.05)
+        phases = {"drain_s": time.monotonic() - t0}
+        t1 = time.monotonic()
+        for c in cells:
+            for sid, client in job.engine_clients.pop(c).items():
+                self.gateway.remove_server(str(sid))
+                await client.close()
+            job.table.begin_loading(c, now_s=job.now_s())
+        pairs = [(c, n) for c in cells for n in job.nodes_of(c)]
+        released = await asyncio.gather(*(self.agents[n].post("/cmd/release_engine")
+                                          for _, n in pairs))
+        for (c, n), res in zip(pairs, released):
+            if res.get("killed"):
+                job.rd.event("engine_replaced", cell=c, node=n, when="release",
+                             reason=res["killed"][:300])
+        phases["engine_release_s"] = time.monotonic() - t1
+        async with world.lock:
+            joining = {n for c in cells for n in job.nodes_of(c)}
+            new = sorted((set(world.nodes) | joining) - self.recovery.failed_nodes())
+            phases.update(await world.rebuild(new))
+        for c in cells:
+            job.table.finish_handoff(c, now_s=job.now_s())
+        phases["total_s"] = time.monotonic() - t0
+        job.rd.event("handoff", direction="rollout->train", cells=cells, **phases)
 
+    async def to_rollout(self, cells: list[int], wait: bool = False) -> None:
+        job, world = self.job, self.world
+        t0 = time.monotonic()
+        for c in cells:
+            job.table.begin_handoff(c, Role.ROLLOUT, now_s=job.now_s())
+        async with world.lock:  # the current micro-batch finishes first
+            phases = {"drain_s": time.monotonic() - t0}
+            for c in cells:
+                job.table.begin_loading(c, now_s=job.now_s())
+            leaving = {n for c in cells for n in job.nodes_of(c)}
+            phases.update(await world.rebuild([n for n in world.nodes if n not in leaving]))
+        t1 = time.monotonic()
+        starts = await asyncio.gather(*(self.bring_up_engine(c) for c in cells))
+        phases["engine_start_s"] = time.monotonic() - t1
+        phases["engine_start_each_s"] = max(starts)
+        for c in cells:
+            job.table.finish_handoff(c, now_s=job.now_s())
+        phases["total_s"] = time.monotonic() - t0
+        job.rd.event("handoff", direction="train->rollout", cells=cells, **phases)
 
-def _busy(coord, cell: int, *, wait: bool) -> bool:
-    """A draining server is done when no call is in flight on it (migrate: its runs move
-    at their next call) or, with the `wait` drain, when none of its runs is left."""
-    loads = coord.gateway.server_load()
-    for sid in server_ids(coord, cell):
-        load = loads.get(sid, {})
-        if load.get("in_flight", 0) or (wait and load.get("runs", 0)):
-            return True
-    return False
+    def _busy(self, cell: int, *, wait: bool) -> bool:
+        """A draining server is done when no call is in flight on it (migrate: its runs
+        move at their next call) or, with the `wait` drain, when none of its runs is
+        left."""
+        loads = self.gateway.server_load()
+        for sid in self.job.server_ids(cell):
+            load = loads.get(str(sid), {})
+            if load.get("in_flight", 0) or (wait and load.get("runs", 0)):
+                return True
+        return False

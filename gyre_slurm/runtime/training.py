@@ -1,0 +1,135 @@
+"""The training loop: streaming micro-batches, one optimizer step per batch.
+
+Each micro-batch is the next ready trajectories of the step being trained, in arrival
+order, up to `training.microbatch_tokens` (or, after a member was lost, the step's
+micro-batches again: `StepBook.rewind_step`); it is written to its stream file and
+trained by the world's members. Once the step's every run has ended and every
+trajectory handed out is trained, the optimizer steps, the new weights are published
+and loaded by every rollout server (`Handoffs.load_weights_everywhere`), the step's
+figures go to metrics.jsonl, TensorBoard and the `step` event, and a checkpoint is
+taken (every `training.checkpoint_every_steps`). A training command that fails because
+a member was lost rebuilds the world and rewinds the step (`Recovery`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+from gyre_slurm.models import tiny
+from gyre_slurm.runtime import checkpoint
+from gyre_slurm.runtime.control import CommandError
+from gyre_slurm.runtime.handoff import Handoffs
+from gyre_slurm.runtime.job import JobState
+from gyre_slurm.runtime.recovery import Recovery
+from gyre_slurm.runtime.world import TrainWorld
+
+
+class MicrobatchFailed(Exception):
+    """Training a micro-batch failed with `error`; `microbatch` is (stream index, batch),
+    trained again once the world is rebuilt."""
+
+    def __init__(self, error: CommandError, microbatch: tuple[int, list[dict]]):
+        super().__init__(str(error))
+        self.error, self.microbatch = error, microbatch
+
+
+class TrainingLoop:
+    def __init__(self, *, job: JobState, world: TrainWorld, recovery: Recovery,
+                 handoffs: Handoffs, metrics):
+        self.job, self.world, self.recovery, self.handoffs = job, world, recovery, handoffs
+        self.metrics = metrics  # runtime.metrics.MetricsLog: metrics.jsonl and TensorBoard
+        self.train_rate: list[float] = []  # tokens/s per cell of each micro-batch
+        self.step_signals: dict[int, dict] = {}  # stream index -> its micro-batch's sums
+        self.rewards: list[dict] = []  # per step: mean reward, ok runs
+
+    def tokens_per_cell_s(self) -> float:
+        """Measured training speed of one cell (the median of the last 20 micro-batches)."""
+        return statistics.median(self.train_rate[-20:]) if self.train_rate else 1000.0
+
+    async def run(self) -> None:
+        book, world = self.job.book, self.world
+        while not book.done():
+            async with world.lock:
+                try:
+                    trained = await self.train_one() if world.members else False
+                    if not trained and world.members and book.step_complete():
+                        await self.finish_step()
+                        await self.checkpoint()
+                        continue
+                except MicrobatchFailed as failed:  # a member lost? rebuild and rewind
+                    await self.recovery.after_training_error(failed.error, failed.microbatch)
+                    continue
+                except CommandError as exc:
+                    await self.recovery.after_training_error(exc, None)
+                    continue
+            if not trained:
+                await asyncio.sleep(0.05)
+
+    async def train_one(self) -> bool:
+        """Train the next micro-batch, if one is ready; whether one was."""
+        book, cfg, world = self.job.book, self.job.cfg, self.world
+        step = book.version
+        again = book.next_redo()  # a rewound step's micro-batch: same file, again
+        if again is not None:
+            index, batch = again
+        else:
+            batch = book.next_microbatch(max_tokens=int(cfg.training.microbatch_tokens))
+            if not batch:
+                return False
+            index = book.steps[step].handed_out
+        t0 = time.monotonic()
+        try:
+            stats = await world.train_microbatch(batch, self.job.rd.stream_file(step, index))
+        except CommandError as exc:
+            raise MicrobatchFailed(exc, (index, batch)) from exc
+        tokens = sum(len(t["token_ids"]) for t in batch)
+        if cfg.trainer.pace:  # emulated accelerators: see TrainerConfig.pace
+            pace = cfg.training.node_tokens_per_s
+            hold = tokens / (pace * len(world.members)) - (time.monotonic() - t0)
+            if hold > 0:
+                await asyncio.sleep(hold)
+        dt = time.monotonic() - t0
+        cells = max(1, len(world.members) // cfg.cluster.cell_nodes)
+        self.train_rate.append(tokens / max(dt, 1e-6) / cells)
+        book.trained(batch, index=index)
+        self.step_signals[index] = stats  # a micro-batch trained again replaces its sums
+        self.job.rd.event("microbatch", step=step, index=index,
+                          runs=[t["run_id"] for t in batch], tokens=tokens,
+                          members=list(world.members), seconds=dt, stats=stats,
+                          again=again is not None)
+        return True
+
+    async def finish_step(self) -> None:
+        """The optimizer steps; the new policy is published and loaded everywhere."""
+        from gyre_slurm.runtime.metrics import step_figures
+        from gyre_slurm.train.metrics import merge_all
+
+        book, rd = self.job.book, self.job.rd
+        step = book.version
+        state = book.steps[step]
+        t0 = time.monotonic()
+        publish = tiny.weights_dir(rd.path, step + 1)
+        stats = await self.world.optimizer_step(publish_dir=publish,
+                                                num_step_tokens=max(1, state.trained_tokens))
+        figures = step_figures(book, step, merge_all(self.step_signals.values()),
+                               grad_norm=stats.get("grad_norm"))
+        self.step_signals.clear()
+        version = book.step_done()
+        self.metrics.write(step=step, version=version, figures=figures)
+        await self.handoffs.load_weights_everywhere(version)
+        rewards = [book.runs[r].reward for r in state.runs if book.runs[r].state == "ok"]
+        mean = statistics.fmean(rewards) if rewards else float("nan")
+        self.rewards.append({"step": step, "mean_reward": mean, "runs_ok": len(rewards)})
+        rd.event("step", step=step, version=version, mean_reward=mean,
+                 trajectories=state.trained, tokens=state.trained_tokens,
+                 runs_ok=len(rewards), runs=len(state.runs),
+                 seconds=time.monotonic() - t0, stats=stats, metrics=figures)
+
+    async def checkpoint(self) -> None:
+        """After every `training.checkpoint_every_steps` steps, and after the last."""
+        book, cfg = self.job.book, self.job.cfg
+        if book.version % cfg.training.checkpoint_every_steps == 0 or book.done():
+            await checkpoint.save(rd=self.job.rd, world=self.world, version=book.version,
+                                  config_name=cfg.name)
