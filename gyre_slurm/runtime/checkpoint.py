@@ -48,7 +48,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -336,7 +336,8 @@ def _drop_uncommitted_stream(rd: RunDir, version: int) -> None:
             path.unlink()
 
 
-def replay_runs(*, book: StepBook, rd: RunDir, finish: Callable[[str, dict], None]) -> None:
+async def replay_runs(*, book: StepBook, rd: RunDir,
+                      finish: Callable[[str, dict], Awaitable[None]]) -> None:
     """Feed the ledger what the previous coordinator recorded (see module docstring):
     `finish(run_id, record)` ends a recorded run as the rollout manager does."""
     ended = {rec["run_id"]: rec for rec in _records(rd, rd.runs_file)}
@@ -350,7 +351,7 @@ def replay_runs(*, book: StepBook, rd: RunDir, finish: Callable[[str, dict], Non
             rid = _to_attempt(book, rid, attempt)
             if rid in ended:
                 book.start(rid)
-                finish(rid, ended[rid])
+                await finish(rid, ended[rid])
             elif rid in started:
                 book.restart(rid)
 

@@ -137,7 +137,8 @@ class Coordinator:
         try:
             await asyncio.wait_for(self.registry.registered.wait(), timeout=120)
             if self.resume:
-                checkpoint.replay_runs(book=self.book, rd=self.rd, finish=self.rollouts.finish)
+                await checkpoint.replay_runs(book=self.book, rd=self.rd,
+                                             finish=self.rollouts.finish)
             await self.lay_out()
             self.rd.event("start", policy=self.policy.name, version=self.book.version,
                           resume=self.resume, pid=os.getpid())

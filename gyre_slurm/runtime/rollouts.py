@@ -5,7 +5,10 @@ A run is an asyncio task running the agent loop against the gateway's per-run UR
 an unmodified OpenAI client would. When it ends, its run record is appended to
 `runs/runs.jsonl`; an ok run's calls are read back from the call store, rebuilt into a
 prefix tree and cut into at most K trajectories (`gyre_slurm.traj`), and the ledger
-releases its group for training once the whole group has ended.
+releases its group for training once the whole group has ended. Reading the calls and
+building the tree is CPU work that grows with the run (a run of a million tokens takes
+seconds): it runs on a worker thread of its own (one, so the call store's reader is
+used by one thread at a time), never on the coordinator's event loop.
 
 A run whose model call failed because of the rollout server under it (the gateway
 answered 502: the engine crashed, hung and was killed, or its node was lost; or 503: no
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from gyre_slurm.common.fsio import append_jsonl
@@ -39,7 +43,9 @@ class RolloutManager:
         self.tasks: dict[str, asyncio.Task] = {}
         self.started_at: dict[str, float] = {}
         self.not_before: dict[str, float] = {}  # restarted runs wait out a backoff
-        self._buffer = None
+        self.ending: set[asyncio.Task] = set()  # runs whose trajectories are being built
+        self._buffer = None  # traj.store.RunBuffer: used on the worker thread only
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trajectories")
         self._tasks_cache: dict[int, list] = {}
         from gyre_slurm.envs import make_env
         from gyre_slurm.envs.base import env_params_for_run
@@ -133,7 +139,7 @@ class RolloutManager:
         if interrupted and entry.attempt + 1 < faults.max_run_attempts:
             self.restart(entry.run_id, reason=record["error"])
         else:
-            self.finish(entry.run_id, record)
+            await self.finish(entry.run_id, record)
 
     def restart(self, run_id: str, *, reason: str) -> str:
         """The run was interrupted by a server failure: a new attempt, after a backoff."""
@@ -141,15 +147,13 @@ class RolloutManager:
         self.started_at.pop(run_id, None)
         if self.gateway is not None:
             self.gateway.end_run(run_id)
-        if self._buffer is not None:  # its partial calls are never trained
-            self._buffer.poll()
-            self._buffer.take(run_id)
+        self._worker.submit(self._forget_calls, run_id)  # its partial calls never train
         new_id = self.book.restart(run_id)
         self.not_before[new_id] = time.time() + self.cfg.faults.run_restart_backoff_s
         self.rd.event("run_restarted", run_id=run_id, new_run_id=new_id, reason=reason[:300])
         return new_id
 
-    def finish(self, run_id: str, record: dict) -> None:
+    async def finish(self, run_id: str, record: dict) -> None:
         """Record a run's end (also used on resume for runs that ended before a stop)."""
         self.tasks.pop(run_id, None)
         writer = getattr(self.gateway, "call_writer", None)
@@ -164,7 +168,9 @@ class RolloutManager:
             self.gateway.end_run(run_id)
         trajectories, status = [], record["status"]
         if status == "ok":
-            trajectories, error = self._trajectories(run_id)
+            if self.flush_calls is not None:  # the gateway's recorded calls, readable
+                self.flush_calls()
+            trajectories, error = await self._off_loop(self._trajectories, run_id)
             if error:
                 status = "failed"
                 self.rd.event("run_rejected", run_id=run_id, reason=error)
@@ -174,16 +180,33 @@ class RolloutManager:
         self.rd.event("run_end", run_id=run_id, status=status, reward=record.get("reward"),
                       trajectories=len(trajectories), error=record.get("error"))
 
-    def _trajectories(self, run_id: str) -> tuple[list[dict], str | None]:
-        from gyre_slurm.traj.process import process_run
+    async def _off_loop(self, fn, *args):
+        """`fn(*args)` on the worker thread; this task counts as ending meanwhile."""
+        task = asyncio.current_task()
+        self.ending.add(task)
+        try:
+            return await asyncio.wrap_future(self._worker.submit(fn, *args))
+        finally:
+            self.ending.discard(task)
+
+    def _calls(self):
+        """The call store's reader (worker thread only)."""
         from gyre_slurm.traj.store import RunBuffer
 
-        if self.flush_calls is not None:
-            self.flush_calls()
         if self._buffer is None:
             self._buffer = RunBuffer(self.rd.path)
         self._buffer.poll()
-        loaded = self._buffer.take(run_id)
+        return self._buffer
+
+    def _forget_calls(self, run_id: str) -> None:
+        """An interrupted attempt's calls are dropped (worker thread)."""
+        self._calls().take(run_id)
+
+    def _trajectories(self, run_id: str) -> tuple[list[dict], str | None]:
+        """The run's trajectories, or why there are none (worker thread)."""
+        from gyre_slurm.traj.process import process_run
+
+        loaded = self._calls().take(run_id)
         if run_id not in loaded.runs:
             reasons = "; ".join(str(e) for e in loaded.errors) or "no recorded calls"
             return [], f"calls of {run_id} unusable: {reasons}"
@@ -191,7 +214,9 @@ class RolloutManager:
         return [t.to_json() for t in result.trajectories], None
 
     async def cancel_all(self) -> None:
-        for task in self.tasks.values():
+        tasks = list(self.tasks.values()) + list(self.ending)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.tasks.clear()
+        await asyncio.to_thread(self._worker.shutdown, wait=True, cancel_futures=True)
