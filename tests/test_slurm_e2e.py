@@ -118,6 +118,10 @@ def test_usr2_requeues_and_the_job_resumes_losing_nothing(slurm_cluster, tmp_pat
 
 
 def test_gyre_submit_end_to_end(slurm_cluster, tmp_path):
+    """`gyre submit` (submitit writes and submits the batch file; its batch shell becomes
+    sbatch/gyre.sbatch): the job runs, the USR2 Slurm sends the batch shell before the
+    time limit reaches the script's trap, the job requeues itself and resumes, losing
+    nothing."""
     run_dir = tmp_path / "submitted"
     env = dict(slurm_cluster.env(), PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-m", "gyre_slurm", "submit",
@@ -126,9 +130,34 @@ def test_gyre_submit_end_to_end(slurm_cluster, tmp_path):
     assert proc.returncode == 0, proc.stderr
     job = proc.stdout.split("submitted job ")[1].split(";")[0]
     assert str(run_dir) in proc.stdout
-    state, _ = wait_done(slurm_cluster, job)
-    assert state == "COMPLETED", (run_dir / "logs" / f"slurm-{job}.out").read_text()[-3000:]
-    check_run_dir(run_dir, num_steps=4)
+    batch = (run_dir / "logs" / "submitit" / f"{job}_submission.sh").read_text()
+    assert "#SBATCH --signal=B:USR2@300" in batch and "#SBATCH --requeue" in batch
+    assert f"exec bash {ROOT / 'sbatch' / 'gyre.sbatch'} " in batch
+    wait_version(run_dir, 2)
+    subprocess.run(["scancel", "--batch", "--signal=USR2", job], env=slurm_cluster.env(),
+                   check=True, timeout=30)
+    state, restarts = wait_done(slurm_cluster, job)
+    log = (run_dir / "logs" / f"slurm-{job}.out").read_text()
+    assert state == "COMPLETED" and restarts >= 1, (state, restarts, log[-3000:])
+    kinds = [e["kind"] for e in check_run_dir(run_dir, num_steps=4)]
+    assert "requeue" in kinds and "resume" in kinds
+
+
+def test_a_sim_sweep_runs_as_a_job_array(slurm_cluster, tmp_path):
+    """`gyre sim --sweep ... --slurm`: one array task per value (submitit), the points back
+    in order, the same figures as the sweep run here."""
+    args = [sys.executable, "-m", "gyre_slurm", "sim", "--preset", "small", "--no-ablations",
+            "--json", "--sweep", "seed=1,2"]
+    env = dict(slurm_cluster.env(), PYTHONPATH=str(ROOT))
+    on_slurm = subprocess.run(args + ["--slurm", "--slurm-dir", str(tmp_path / "array"),
+                                      "--slurm-arg", "time=10"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert on_slurm.returncode == 0, on_slurm.stderr[-3000:]
+    here = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert json.loads(on_slurm.stdout) == json.loads(here.stdout)
+    scripts = list((tmp_path / "array").glob("*_submission.sh"))
+    assert scripts and "#SBATCH --array=0-1" in scripts[0].read_text()
 
 
 def test_sbatch_runs_vllm_and_megatron(slurm_cluster, tmp_path):

@@ -2,7 +2,10 @@
 
   gyre sim --preset NAME [--json] [--plot FILE.png] [--set KEY=VALUE ...]
   gyre sim --workload FILE.yaml ...
-  gyre sim --preset NAME --sweep cell_nodes=4,8
+  gyre sim --preset NAME --sweep cell_nodes=4,8 [--slurm [--slurm-arg K=V ...]]
+
+With `--slurm`, each point of a sweep runs as one task of a Slurm job array (submitit;
+`gyre_slurm.sim.array`), and the results come back here in order.
 """
 
 from __future__ import annotations
@@ -35,6 +38,13 @@ def register(subparsers) -> None:
     p.add_argument("--sweep", metavar="KEY=V1,V2,...",
                    help="repeat for each value of one key (e.g. cell_nodes=4,8)")
     p.add_argument("--no-ablations", action="store_true", help="only elastic, colocate, async")
+    p.add_argument("--slurm", action="store_true",
+                   help="run the sweep's points as a Slurm job array (submitit)")
+    p.add_argument("--slurm-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="a submitit/sbatch parameter of the array, e.g. partition=cpu or "
+                        "time=30 (minutes) (repeatable)")
+    p.add_argument("--slurm-dir", type=Path, default=Path("runs") / "sim-sweeps",
+                   help="where the array's scripts, logs and results go (a shared folder)")
     p.set_defaults(func=run)
 
 
@@ -79,18 +89,33 @@ def run_sweep(args: argparse.Namespace, path: Path, name: str) -> int:
     if not sep or not values:
         raise UserError(f"--sweep {args.sweep!r}: expected KEY=V1,V2,...")
     full = sweep_key(key.strip())
-    points = []
-    for value in values.split(","):
-        overrides = list(args.overrides) + [f"{full}={value.strip()}"]
-        cfg = load_config(path, overrides)
-        comparison = compare(cfg, ablations=not args.no_ablations, base_dir=Path(path).parent)
-        summary = to_json(name=f"{name} {full}={value.strip()}", comparison=comparison)
-        summary["value"] = yaml.safe_load(value)
-        points.append(summary)
-        if not args.json:
+    values = [v.strip() for v in values.split(",")]
+    for value in values:  # every point's config is checked before anything runs
+        load_config(path, list(args.overrides) + [f"{full}={value}"])
+    if args.slurm:
+        from gyre_slurm.sim.array import sweep_on_slurm
+
+        points = sweep_on_slurm(path, name=name, key=full, values=values,
+                                overrides=args.overrides, ablations=not args.no_ablations,
+                                folder=args.slurm_dir, slurm_args=args.slurm_arg)
+    else:
+        points = [sweep_point(path, name=name, key=full, value=v, overrides=args.overrides,
+                              ablations=not args.no_ablations) for v in values]
+    if not args.json:
+        for summary in points:
             print_table(summary)
     if args.json:
         json.dump({"preset": name, "sweep": full, "points": points}, sys.stdout)
         sys.stdout.write("\n")
     return 0
 
+
+
+def sweep_point(path: Path, *, name: str, key: str, value: str, overrides: list[str],
+                ablations: bool) -> dict:
+    """One point of a sweep: the comparison with `key=value`, as `to_json` gives it."""
+    cfg = load_config(path, list(overrides) + [f"{key}={value}"])
+    comparison = compare(cfg, ablations=ablations, base_dir=Path(path).parent)
+    summary = to_json(name=f"{name} {key}={value}", comparison=comparison)
+    summary["value"] = yaml.safe_load(value)
+    return summary

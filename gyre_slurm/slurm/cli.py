@@ -7,7 +7,8 @@ from pathlib import Path
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("submit", help="submit the job to Slurm (sbatch/gyre.sbatch)")
+    p = subparsers.add_parser("submit", help="submit the job to Slurm (submitit; the job is "
+                                             "sbatch/gyre.sbatch)")
     p.add_argument("config", help="a config file, or the name of a preset")
     p.add_argument("--nodes", type=int, help="nodes to hold (default: cluster.num_nodes)")
     p.add_argument("--run-dir", type=Path, help="default: runs/<name>-<date>")
@@ -20,11 +21,11 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gyre_slurm.slurm.submit import submit
+    from gyre_slurm.slurm.submit import submit_job
 
-    job_id, run_dir = submit(config=args.config, run_dir=args.run_dir, nodes=args.nodes,
-                             time_limit=args.time_limit, partition=args.partition,
-                             gpus_per_node=args.gpus_per_node, extra=args.sbatch_arg)
-    print(f"submitted job {job_id}; run dir {run_dir}")
-    print(f"watch it: gyre status {job_id}    (or gyre status {run_dir})")
+    job = submit_job(args.config, run_dir=args.run_dir, nodes=args.nodes,
+                     time_limit=args.time_limit, partition=args.partition,
+                     gpus_per_node=args.gpus_per_node, extra=args.sbatch_arg)
+    print(f"submitted job {job.job_id}; run dir {job.run_dir}")
+    print(f"watch it: gyre status {job.job_id}    (or gyre status {job.run_dir})")
     return 0

@@ -1,18 +1,33 @@
-"""`gyre submit CONFIG [--nodes N] [--run-dir DIR] [--time T] [--partition P]
-[--gpus-per-node G] [--sbatch-arg ARG ...]`: submit `sbatch/gyre.sbatch` for a config.
+"""Submitting the job from Python or `gyre submit`, through submitit.
+
+    gyre submit CONFIG [--nodes N] [--run-dir DIR] [--time T] [--partition P]
+                [--gpus-per-node G] [--sbatch-arg ARG ...]
+
+    from gyre_slurm.slurm import submit_job
+    job = submit_job("configs/tiny.yaml", run_dir="runs/x", partition="gpu")
+    job.job_id, job.run_dir, job.state, job.status(), job.cancel()
 
 The config is checked first (a typo fails here, not on a queue hours later); the run
-dir is made absolute and its logs/ created (Slurm writes the job's output there); the
-job's comment names the run dir, which is how `gyre status JOBID` finds it. Prints the
-job id and the run dir.
+dir is made absolute and its logs/ created; the job's comment names the run dir, which
+is how `gyre status JOBID` finds it.
+
+submitit writes the batch file (the same directives as `sbatch/gyre.sbatch`: whole nodes,
+one task per node, the USR2 warning to the batch shell, requeue), submits it and tracks
+the job. The job itself is `sbatch/gyre.sbatch`, the script users submit by hand: the
+batch file's setup hands the batch shell to it (`exec`), so the shell that receives
+Slurm's USR2 (`--signal=B:USR2@300`) is the script's, with its traps, and a submitted job
+checks, runs, stops, requeues and resumes exactly as a hand-submitted one.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import subprocess
+import shlex
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gyre_slurm.config.presets import resolve
 from gyre_slurm.config.schema import load_config
@@ -20,47 +35,154 @@ from gyre_slurm.errors import UserError
 
 GYRE_ROOT = Path(os.environ.get("GYRE_ROOT") or Path(__file__).resolve().parents[2])
 SBATCH_FILE = GYRE_ROOT / "sbatch" / "gyre.sbatch"  # the job runs GYRE_ROOT/tools/gyre
+DEFAULT_TIME = "72:00:00"  # as sbatch/gyre.sbatch
+WARNING_S = 300  # USR2 this long before the time limit, as sbatch/gyre.sbatch
 
 
-def sbatch_command(*, config: Path, run_dir: Path, nodes: int, time_limit: str | None,
-                   partition: str | None, gpus_per_node: int | None,
-                   extra: list[str]) -> list[str]:
-    cmd = ["sbatch", "--parsable", f"--nodes={nodes}", f"--job-name=gyre-{run_dir.name}",
-           f"--output={run_dir}/logs/slurm-%j.out", f"--comment=gyre_run_dir={run_dir}",
-           f"--chdir={GYRE_ROOT}", f"--export=ALL,GYRE_ROOT={GYRE_ROOT}"]
-    if time_limit:
-        cmd.append(f"--time={time_limit}")
+@dataclass
+class SubmittedJob:
+    """A submitted gyre job: its Slurm job (a `submitit.Job`) and its run dir."""
+
+    job: Any
+    run_dir: Path
+
+    @property
+    def job_id(self) -> str:
+        return str(self.job.job_id)
+
+    @property
+    def state(self) -> str:
+        """Slurm's state of the job (submitit's view: PENDING, RUNNING, COMPLETED, ...)."""
+        return self.job.state
+
+    def status(self) -> dict | None:
+        """The run's status.json (what `gyre status` shows), or None before it exists."""
+        try:
+            return json.loads((self.run_dir / "status.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def cancel(self) -> None:
+        self.job.cancel(check=False)
+
+
+def sbatch_parameters(*, config: Path, run_dir: Path, nodes: int, time_limit: str | None,
+                      partition: str | None, gpus_per_node: int | None,
+                      extra: list[str]) -> dict[str, Any]:
+    """submitit's parameters of the batch file (pure: no Slurm needed)."""
+    job = [str(SBATCH_FILE), str(config), str(run_dir)]
+    params: dict[str, Any] = {
+        "job_name": f"gyre-{run_dir.name}", "nodes": nodes, "ntasks_per_node": 1,
+        "exclusive": True, "time": time_limit or DEFAULT_TIME,
+        "comment": f"gyre_run_dir={run_dir}", "stderr_to_stdout": True, "use_srun": False,
+        "setup": [f"exec bash {shlex.join(job)}"],  # the batch shell becomes the script
+        "additional_parameters": {
+            "signal": f"B:USR2@{WARNING_S}", "requeue": True,
+            "output": f"{run_dir}/logs/slurm-%j.out", "chdir": str(GYRE_ROOT),
+            "export": f"ALL,GYRE_ROOT={GYRE_ROOT}", **sbatch_flags(extra)},
+    }
     if partition:
-        cmd.append(f"--partition={partition}")
+        params["partition"] = partition
     if gpus_per_node:
-        cmd.append(f"--gpus-per-node={gpus_per_node}")
-    return cmd + list(extra) + [str(SBATCH_FILE), str(config), str(run_dir)]
+        params["gpus_per_node"] = gpus_per_node
+    return params
 
 
-def submit(*, config: str, run_dir: Path | None, nodes: int | None, time_limit: str | None,
-           partition: str | None, gpus_per_node: int | None,
-           extra: list[str]) -> tuple[str, Path]:
+def sbatch_flags(args: list[str]) -> dict[str, Any]:
+    """`--qos=high`, `--mail-user x`... as submitit's additional parameters."""
+    out: dict[str, Any] = {}
+    for arg in args:
+        if not arg.startswith("--") or len(arg) < 3:
+            raise UserError(f"--sbatch-arg {arg!r}: give a long sbatch option, e.g. "
+                            f"--sbatch-arg=--qos=high")
+        key, sep, value = arg[2:].partition("=")
+        out[key] = value if sep else True
+    return out
+
+
+def submit_job(config: str | Path, *, run_dir: str | Path | None = None,
+               nodes: int | None = None, time_limit: str | None = None,
+               partition: str | None = None, gpus_per_node: int | None = None,
+               extra: list[str] | None = None) -> SubmittedJob:
+    """Check the config, make the run dir, submit the job (see the module docstring)."""
     if not SBATCH_FILE.is_file():
         raise UserError(f"{SBATCH_FILE} not found: gyre submit runs from a gyre checkout "
                         "(set GYRE_ROOT to one), whose sbatch/ and tools/ the job uses")
-    path = resolve(config).resolve()
+    path = resolve(str(config)).resolve()
     cfg = load_config(path)
     nodes = nodes or cfg.cluster.num_nodes
     if nodes != cfg.cluster.num_nodes:
         raise UserError(f"--nodes {nodes} but the config's cluster.num_nodes is "
                         f"{cfg.cluster.num_nodes}; make them agree")
-    run_dir = (run_dir or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir = Path(run_dir or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = run_dir.resolve()
     if (run_dir / "config.yaml").exists():
         raise UserError(f"{run_dir} already holds a run; choose another --run-dir")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    cmd = sbatch_command(config=path, run_dir=run_dir, nodes=nodes, time_limit=time_limit,
-                         partition=partition, gpus_per_node=gpus_per_node, extra=extra)
+    params = sbatch_parameters(config=path, run_dir=run_dir, nodes=nodes,
+                               time_limit=time_limit, partition=partition,
+                               gpus_per_node=gpus_per_node, extra=list(extra or []))
+    executor = slurm_executor(run_dir / "logs" / "submitit", params)
+    job = submit_or_explain(executor, BatchScript(
+        script=str(SBATCH_FILE), config=str(path), run_dir=str(run_dir)))
+    return SubmittedJob(job=job, run_dir=run_dir)
+
+
+def slurm_executor(folder: Path, params: dict[str, Any]):
+    """A `submitit.SlurmExecutor` with `params`; their mistakes are the user's to fix."""
+    submitit = _import_submitit()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    except FileNotFoundError:
-        raise UserError("sbatch is not on PATH: run gyre submit where Slurm's clients are "
-                        "(a login node), or use `gyre run` locally") from None
-    if proc.returncode != 0:
-        raise UserError(f"sbatch refused the job: {proc.stderr.strip()}")
-    job_id = proc.stdout.strip().split(";")[0]
-    return job_id, run_dir
+        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=0)
+    except RuntimeError as exc:  # no srun: not on a Slurm cluster
+        raise UserError(f"{exc}: run gyre submit where Slurm's clients are (a login "
+                        f"node), or use `gyre run` locally") from None
+    try:
+        executor.update_parameters(**params)
+    except ValueError as exc:
+        raise UserError(f"a Slurm parameter is not valid: {exc}") from None
+    return executor
+
+
+def _import_submitit():
+    """submitit, its log going where gyre's goes (stderr: gyre's stdout is its output,
+    e.g. `--json`) instead of its own handlers, which also write to stdout. The jobs it
+    starts configure submitit's log as usual (the variable is not passed on)."""
+    import importlib
+    import sys
+
+    if "submitit" in sys.modules:
+        return sys.modules["submitit"]
+    before = os.environ.get("SUBMITIT_LOG_LEVEL")
+    os.environ["SUBMITIT_LOG_LEVEL"] = "NOCONFIG"
+    try:
+        return importlib.import_module("submitit")
+    finally:
+        if before is None:
+            del os.environ["SUBMITIT_LOG_LEVEL"]
+        else:
+            os.environ["SUBMITIT_LOG_LEVEL"] = before
+
+
+def submit_or_explain(executor, fn, *args):
+    """`executor.submit(fn, *args)`; sbatch's refusal is the user's to fix."""
+    from submitit.core.utils import FailedJobError, FailedSubmissionError
+
+    try:
+        return executor.submit(fn, *args)
+    except (FailedJobError, FailedSubmissionError) as exc:
+        raise UserError(f"sbatch refused the job: {str(exc).strip()}") from None
+
+
+@dataclass(frozen=True)
+class BatchScript:
+    """submitit's job function for a gyre job. In a Slurm job it is never reached: the
+    batch file's setup hands the batch shell to `script` (exec), so that the USR2 Slurm
+    sends the batch shell reaches the script's trap. Called anywhere else (submitit's
+    local or debug executors), it runs the script in place of this process."""
+
+    script: str
+    config: str
+    run_dir: str
+
+    def __call__(self) -> None:
+        os.execv("/bin/bash", ["bash", self.script, self.config, self.run_dir])

@@ -1,0 +1,64 @@
+"""A simulator sweep as a Slurm job array (submitit): one array task per value.
+
+    gyre sim --preset NAME --sweep cell_nodes=1,2,4 --slurm [--slurm-arg partition=cpu]
+
+    from gyre_slurm.sim.array import sweep_on_slurm
+    points = sweep_on_slurm(path, name="small", key="cluster.cell_nodes", values=["1", "2"],
+                            folder=Path("runs/sim-sweeps"))
+
+Each task runs `sim.cli.sweep_point` (the comparison at one value, as `gyre sim --json`
+reports it) and submitit brings its result back; the points come back in the order of
+`values`. The folder holds the array's batch file, logs and results (shared with the
+nodes). A task that failed is an error naming its value and its log.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gyre_slurm.errors import UserError
+from gyre_slurm.slurm.submit import slurm_executor
+
+DEFAULTS: dict[str, Any] = {"time": 60, "ntasks_per_node": 1, "cpus_per_task": 1,
+                            "job_name": "gyre-sim-sweep"}
+
+
+def slurm_parameters(args: list[str]) -> dict[str, Any]:
+    """`partition=cpu`, `time=30` (minutes), ... as submitit parameters."""
+    params = dict(DEFAULTS)
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--slurm-arg {arg!r}: expected KEY=VALUE, e.g. partition=cpu")
+        params[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+    return params
+
+
+def sweep_on_slurm(path: Path, *, name: str, key: str, values: list[str],
+                   overrides: list[str], ablations: bool, folder: Path,
+                   slurm_args: list[str] | None = None) -> list[dict]:
+    executor = slurm_executor(Path(folder).resolve(), slurm_parameters(list(slurm_args or [])))
+    path = Path(path).resolve()
+    jobs = executor.map_array(_point, [path] * len(values), [name] * len(values),
+                              [key] * len(values), values, [list(overrides)] * len(values),
+                              [ablations] * len(values))
+    points = []
+    for value, job in zip(values, jobs):
+        try:
+            points.append(job.result())
+        except Exception as exc:  # noqa: BLE001 - the task's own error, named
+            raise UserError(f"the sweep's point {key}={value} (Slurm job {job.job_id}) "
+                            f"failed: {str(exc).strip()[-2000:]}; its log: "
+                            f"{job.paths.stdout}") from None
+    return points
+
+
+def _point(path: Path, name: str, key: str, value: str, overrides: list[str],
+           ablations: bool) -> dict:
+    from gyre_slurm.sim.cli import sweep_point  # sim.cli imports this module
+
+    return sweep_point(path, name=name, key=key, value=value, overrides=overrides,
+                       ablations=ablations)
