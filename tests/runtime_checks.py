@@ -82,7 +82,11 @@ def check_metrics(run_dir: Path, events: list[dict], *, num_steps: int) -> None:
                   if k.startswith("mismatch/lag") and k.endswith("/tokens")}
         assert by_lag == m["staleness/lag_hist"] and sum(by_lag.values()) == e["tokens"]
         assert 0 <= m["mismatch/abs_mean"] <= m["mismatch/abs_max"] and m["mismatch/kl_k3"] >= 0
-        assert m["train/entropy"] > 0 and m["train/grad_norm"] > 0
+        # Every advantage is zero when each group's runs earned the same reward (a random
+        # tiny model on the shell tasks often scores 0 everywhere): no gradient then.
+        assert m["train/entropy"] > 0 and m["train/grad_norm"] >= 0
+        if m["reward/zero_spread_frac"] not in (None, 1):
+            assert m["train/grad_norm"] > 0
         assert 0 <= m["train/clip_frac"] <= 1
         assert abs(m["reward/mean"] - e["mean_reward"]) < 1e-9
     acc = EventAccumulator(str(run_dir / "tensorboard"))
