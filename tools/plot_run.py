@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Draw a run's reward curve and cell-role timeline from its events.jsonl (`gyre report`
-draws more: this stays for the README's figure).
+draws more: this stays for the figure of docs/runtime.md).
 
     tools/gyre-env python tools/plot_run.py RUN_DIR OUT.png [--chance 0.198]
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Print the README's simulator tables (markdown) for every published-setting preset.
+"""Print the simulator tables of docs/scheduler.md (markdown) for every published-setting preset.
 
   tools/gyre-env python tools/sim_table.py      (or: source tools/env.sh; python tools/...)
 
