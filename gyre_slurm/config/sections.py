@@ -77,7 +77,8 @@ class SchedulerConfig:
                                         "(all roll out, then all train) or async (a fixed split)")
     min_rollout_cells: int = key(1, "standalone floor: cells that always roll out")
     min_train_cells: int = key(1, "standalone floor: cells that always train")
-    streaming: bool = key(True, "train each group as it arrives, not the whole batch at once")
+    streaming: bool = key(True, "simulator: train each group as it arrives, not the whole "
+                                "batch at once (the runtime always trains what is ready)")
     drain: Literal["wait", "migrate"] = key(
         "migrate", "how a releasing cell's runs leave: migrate at their next call, or wait "
                    "for them to end")
