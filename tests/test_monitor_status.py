@@ -127,6 +127,21 @@ def test_failures_are_listed_in_red(run_dir):
     assert red and all("\x1b[1;31m" in line for line in red)
 
 
+def test_rollout_slots_are_counted_against_the_run_dirs_cell_capacity(source_run, tmp_path):
+    """A cell serves rollout.runs_per_node x cluster.cell_nodes runs (a run dir of the older
+    layout: runtime.runs_per_cell); the live view's occupancy needs it."""
+    from gyre_slurm.config.schema import load_config
+
+    cfg = load_config(source_run / "config.yaml")
+    assert model.cell_capacity(source_run) == cfg.cell_capacity == 4
+    out = gyre("status", str(source_run), "--once").stdout
+    assert re.search(r"rollout slots \d+% full", out), out
+    (tmp_path / "config.yaml").write_text("runtime: {runs_per_cell: 6}\n")
+    assert model.cell_capacity(tmp_path) == 6
+    (tmp_path / "config.yaml").write_text("rollout: {runs_per_node: 3}\n")
+    assert model.cell_capacity(tmp_path) is None  # not a resolved config: no figure
+
+
 def test_json_prints_status_json(run_dir):
     proc = gyre("status", str(run_dir), "--json")
     assert proc.returncode == 0

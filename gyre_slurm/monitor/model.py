@@ -261,7 +261,8 @@ def busy(snap: Snapshot, segs: list, span_s: float) -> dict:
             "train_compute": min(1.0, compute / span_s)}
 
 
-def runs_per_cell(run_dir: Path) -> int | None:
+def cell_capacity(run_dir: Path) -> int | None:
+    """Runs a rollout cell serves (`GyreConfig.cell_capacity`), from the run dir's config."""
     import yaml
 
     try:

@@ -2,8 +2,8 @@
 
 Panels: (1) cell roles over time (seconds since `start`; segments from
 `model.role_segments`, colours of gyre_slurm/sim/report.py ROLE_COLORS); (2) waterlevel
-(status.json waterlevel_history: runs in flight + queued / runs_per_cell, i.e. demand in
-cells) with the rollout-cell count, both in cells;
+(status.json waterlevel_history: runs in flight + queued over the runs a cell serves,
+rollout.runs_per_node x cluster.cell_nodes: demand in cells) with the rollout-cell count;
 (3) mean reward per step with the mean spread within a group as a band (`step` events'
 training signals, `model.step_metrics`); (4) throughput per step: trajectories/s and
 tokens/s over the time since the previous step (`model.step_rates`); (5) trainer/sampler
@@ -46,7 +46,7 @@ def draw_waterlevel(ax, snap: model.Snapshot, *, span_s: float) -> None:
             alpha=0.6, label="rollout cells")
     ax.set_xlabel("seconds since start (status.json keeps the last 300 samples)")
     ax.set_ylabel("cells")
-    ax.set_title("waterlevel: runs in flight + queued, in cells of runs_per_cell; "
+    ax.set_title("waterlevel: runs in flight + queued, in cells' worth of runs; "
                  "and rollout cells")
     if hist:
         ax.legend(loc="upper right", fontsize=8)

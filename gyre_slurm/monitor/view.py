@@ -110,7 +110,7 @@ def figures(snap: model.Snapshot, segs: list, span_s: float) -> Group:
     lines.append(Text(f"throughput (last {tp['window_s']:.0f}s): rollout "
                       f"{tp['runs_per_min']:.1f} runs/min, train {tp['tokens_per_s']:.1f} "
                       "tokens/s"))
-    occupancy = model.rollout_occupancy(st, model.runs_per_cell(snap.run_dir))
+    occupancy = model.rollout_occupancy(st, model.cell_capacity(snap.run_dir))
     lines.append(Text(f"busy: in-role {pct(b['in_role'])} of cell time, train compute "
                       f"{pct(b['train_compute'])} of wall time, rollout slots "
                       f"{pct(occupancy)} full"))
