@@ -71,7 +71,7 @@ class ClusterConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    """The policy that moves cells between rollout and training (DESIGN 5)."""
+    """The policy that moves cells between rollout and training (docs/scheduler.md)."""
 
     policy: PolicyName = key("elastic", "elastic (cells move by the waterlevel), colocate "
                                         "(all roll out, then all train) or async (a fixed split)")

@@ -9,7 +9,8 @@ Names:
   async-split-R      a fixed split with R rollout cells
   elastic-nostream   ablation: elastic, whole-batch training
   elastic-nofloor    ablation: elastic without standalone floors
-  elastic-naive      ablation: DESIGN 5's working rule (no forecast, no cost gate, wait drain)
+  elastic-naive      ablation: the waterlevel's working rule alone (no forecast, no cost
+                     gate, wait drain)
 (`async` itself is the split a job configures, `run_policy`, or the best split the
 simulator finds, `sim.runner.best_async`.)
 """
