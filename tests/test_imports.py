@@ -114,3 +114,18 @@ def test_layering(graph, importer, forbidden):
     bad = [w for (a, b), where in graph.items() for w in where
            if a == importer and (forbidden is None or b == forbidden)]
     assert not bad, "\n".join(bad)
+
+
+def test_the_runtimes_parts_take_typed_dependencies():
+    """Nothing in runtime/ takes an untyped coordinator, and every constructor names its
+    dependencies with their types (the job state, the world, the gateway, ...)."""
+    untyped = []
+    for path in sorted((PKG / "runtime").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                if arg.annotation is None and arg.arg not in ("self", "cls") and (
+                        node.name == "__init__" or arg.arg.startswith("coord")):
+                    untyped.append(f"{path.name}:{node.lineno} {node.name}({arg.arg})")
+    assert not untyped, untyped

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 from gyre_slurm.sched.ledger import WorkLedger
 
+Microbatch = tuple[int, list[dict]]  # (index in the step's stream, its trajectories)
+
 
 @dataclass
 class RunEntry:
@@ -179,13 +181,13 @@ class StepBook:
         self.work.hand_out(self.version, used)
         return out
 
-    def next_redo(self) -> tuple[int, list[dict]] | None:
+    def next_redo(self) -> Microbatch | None:
         """A micro-batch of a rewound step to train again (its stream index, itself)."""
         if self.version >= self.num_steps or not self.steps[self.version].redo:
             return None
         return self.steps[self.version].redo.popleft()
 
-    def rewind_step(self, unfinished: tuple[int, list[dict]] | None = None) -> int:
+    def rewind_step(self, unfinished: Microbatch | None = None) -> int:
         """The current step's gradients were lost: every micro-batch trained so far (and
         `unfinished`, one handed out whose training failed) is trained again. Returns
         how many micro-batches will be trained again."""

@@ -370,7 +370,7 @@ def _records(rd: RunDir, path: Path):
             rd.event("corrupt_line", path=str(path), record=number, reason=why)
 
 
-def _to_attempt(book, rid: str, attempt: int) -> str:
+def _to_attempt(book: StepBook, rid: str, attempt: int) -> str:
     while book.runs[rid].attempt < attempt:
         rid = book.restart(rid)
     return rid

@@ -9,12 +9,16 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gyre_slurm.config.cli import add_set_argument
 from gyre_slurm.config.presets import resolve
 from gyre_slurm.config.schema import load_config
 from gyre_slurm.errors import UserError
 from gyre_slurm.monitor import summary
+
+if TYPE_CHECKING:
+    from gyre_slurm.runtime.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +70,7 @@ def _print_summary(run_dir: Path, *, outcome: str, prog: str) -> None:
         log.exception("could not summarize %s", run_dir)
 
 
-async def _run_until_signal(coordinator) -> int:
+async def _run_until_signal(coordinator: Coordinator) -> int:
     """SIGTERM/SIGINT stop the job cleanly: node agents and engines are shut down and
     what was recorded stays recorded (`--resume` continues from `latest`). USR2 (Slurm's
     preemption / time-limit warning, `--signal=B:USR2@N`) does the same, then requeues

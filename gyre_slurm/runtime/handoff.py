@@ -26,6 +26,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from gyre_slurm.models import tiny
 from gyre_slurm.runtime.control import ControlClient
@@ -34,6 +35,9 @@ from gyre_slurm.runtime.recovery import Recovery, catch_up
 from gyre_slurm.runtime.world import TrainWorld
 from gyre_slurm.sched.cells import Role
 from gyre_slurm.sched.types import Decision
+
+if TYPE_CHECKING:
+    from gyre_slurm.gateway import Gateway
 
 log = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 120.0  # a server that has not loaded new weights by then is restarted
@@ -45,7 +49,7 @@ class Handoffs:
     """Executes the policy's decisions (DESIGN 6) and keeps the rollout servers on the
     current policy, on the job's shared state through the services it names."""
 
-    def __init__(self, *, job: JobState, world: TrainWorld, gateway,
+    def __init__(self, *, job: JobState, world: TrainWorld, gateway: Gateway,
                  agents: dict[int, ControlClient], recovery: Recovery):
         self.job, self.world, self.gateway = job, world, gateway
         self.agents, self.recovery = agents, recovery

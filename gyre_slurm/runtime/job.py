@@ -10,12 +10,15 @@ import logging
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from gyre_slurm.config.schema import GyreConfig
 from gyre_slurm.runtime.book import StepBook
 from gyre_slurm.runtime.rundir import RunDir
 from gyre_slurm.sched.cells import CellTable
+
+if TYPE_CHECKING:
+    from gyre_slurm.engines.client import EngineClient
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +65,7 @@ class JobState:
     table: CellTable
     t0: float = field(default_factory=time.time)  # events' `t_run_s` count from here
     # cell -> its rollout servers' engine clients (the gateway routes by str(ServerId))
-    engine_clients: dict[int, dict[ServerId, Any]] = field(default_factory=dict)
+    engine_clients: dict[int, dict[ServerId, EngineClient]] = field(default_factory=dict)
     busy_cells: set[int] = field(default_factory=set)  # a handoff or restart has them
     lost: set[int] = field(default_factory=set)  # nodes whose agents were lost
     heartbeats: dict[int, float] = field(default_factory=dict)  # node -> last beat

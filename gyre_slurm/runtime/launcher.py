@@ -159,7 +159,10 @@ class SlurmLauncher:
             self.step.wait(timeout=10)
 
 
-def make_launcher(kind: str, *, run_dir: Path, num_nodes: int, addr_prefix: str):
+Launcher = LocalLauncher | SlurmLauncher  # what the coordinator and recovery use
+
+
+def make_launcher(kind: str, *, run_dir: Path, num_nodes: int, addr_prefix: str) -> Launcher:
     """`auto`: Slurm inside an allocation (SLURM_JOB_ID set), else local processes."""
     if kind == "auto":
         kind = "slurm" if os.environ.get("SLURM_JOB_ID") else "local"

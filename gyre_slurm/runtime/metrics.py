@@ -21,9 +21,12 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gyre_slurm.common.fsio import append_jsonl, read_jsonl
+
+if TYPE_CHECKING:
+    from gyre_slurm.runtime.book import StepBook
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +92,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def step_figures(book, step: int, sums: dict[str, Any], *,
+def step_figures(book: StepBook, step: int, sums: dict[str, Any], *,
                  grad_norm: float | None) -> dict[str, Any]:
     """`train.metrics.step_metrics` of step `step` of a `StepBook` (call it before
     `step_done`, which forgets the step's micro-batches): `sums` are its micro-batches'

@@ -58,11 +58,19 @@ import logging
 import time
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from gyre_slurm.runtime import checkpoint
+from gyre_slurm.runtime.book import Microbatch
 from gyre_slurm.runtime.control import AgentUnreachable, CommandError, ControlClient
 from gyre_slurm.runtime.job import JobState, ServerId
 from gyre_slurm.runtime.world import TrainWorld
 from gyre_slurm.sched.cells import Role
+
+if TYPE_CHECKING:
+    from gyre_slurm.engines.client import EngineClient
+    from gyre_slurm.gateway import Gateway
+    from gyre_slurm.runtime.launcher import Launcher
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +83,9 @@ class Recovery:
     """The rules of the module docstring, acting on the job's shared state through the
     services it names."""
 
-    def __init__(self, *, job: JobState, world: TrainWorld, gateway,
-                 agents: dict[int, ControlClient], launcher, started_from: Path | None):
+    def __init__(self, *, job: JobState, world: TrainWorld, gateway: Gateway,
+                 agents: dict[int, ControlClient], launcher: Launcher,
+                 started_from: Path | None):
         self.job, self.world, self.gateway = job, world, gateway
         self.agents, self.launcher = agents, launcher
         self.started_from = started_from  # the trainer state the job resumed from
@@ -236,7 +245,7 @@ class Recovery:
         async with self.world.lock:
             await self.rebuild_without_lost()
 
-    async def rebuild_without_lost(self, unfinished=None) -> None:
+    async def rebuild_without_lost(self, unfinished: Microbatch | None = None) -> None:
         """Callers hold the world lock. Drops the failed cells' nodes from the world; when
         a member was among them, the step is rewound (module docstring)."""
         job, world = self.job, self.world
@@ -258,7 +267,8 @@ class Recovery:
                      microbatches_again=redo, seconds=time.monotonic() - t0,
                      **{k: v for k, v in timings.items() if k != "restarted"})
 
-    async def after_training_error(self, exc: BaseException, unfinished) -> None:
+    async def after_training_error(self, exc: BaseException,
+                                   unfinished: Microbatch | None) -> None:
         """A training command failed (callers hold the world lock). If a member's agent is
         gone (now, or by the heartbeat verdict within `agent_lost_s`), rebuild and
         rewind; else the error stands."""
@@ -390,7 +400,7 @@ class Recovery:
                      seconds=time.monotonic() - t0, version=version)
         return False
 
-    def restart_serves(self, cell: int, sid: ServerId, old, res: dict) -> bool:
+    def restart_serves(self, cell: int, sid: ServerId, old: EngineClient, res: dict) -> bool:
         """Whether the restarted engine goes into the gateway: only when the agent did
         restart it and the cell still serves with the server it replaces. A cell that was
         lost, or that moved on meanwhile, keeps it out: the agent holds the new engine

@@ -21,10 +21,14 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import gyre_slurm
 from gyre_slurm.common.fsio import write_json_atomic
 from gyre_slurm.errors import UserError
+
+if TYPE_CHECKING:
+    from gyre_slurm.config.schema import GyreConfig
 
 PACKAGE_ROOT = Path(gyre_slurm.__file__).resolve().parent.parent
 ROLES_FILE = "roles.json"
@@ -51,7 +55,7 @@ def resolve_python(spec: str | None, *, section: str) -> str:
     return path
 
 
-def resolve_roles(cfg, run_dir: Path) -> dict:
+def resolve_roles(cfg: GyreConfig, run_dir: Path) -> dict:
     """Resolve both roles' interpreters; write and return RUN_DIR/roles.json."""
     roles = {}
     for section, conf in (("rollout", cfg.rollout), ("trainer", cfg.trainer)):

@@ -23,20 +23,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from gyre_slurm.common.fsio import append_jsonl
 from gyre_slurm.config.schema import GyreConfig
-from gyre_slurm.runtime.book import StepBook
+from gyre_slurm.runtime.book import RunEntry, StepBook
 from gyre_slurm.runtime.rundir import RunDir
+
+if TYPE_CHECKING:
+    from gyre_slurm.gateway import Gateway
 
 log = logging.getLogger(__name__)
 
 
 class RolloutManager:
-    def __init__(self, *, cfg: GyreConfig, rd: RunDir, book: StepBook, gateway, gateway_url: str,
-                 flush_calls=None):
+    def __init__(self, *, cfg: GyreConfig, rd: RunDir, book: StepBook, gateway: Gateway,
+                 gateway_url: str, flush_calls: Callable[[], None] | None = None):
         self.cfg, self.rd, self.book = cfg, rd, book
         self.gateway, self.gateway_url = gateway, gateway_url
         self.flush_calls = flush_calls  # makes the gateway's recorded calls readable
@@ -109,7 +114,7 @@ class RolloutManager:
                 seed=self.cfg.seed, env_params=self.env_params)
         return self._tasks_cache[step][prompt]
 
-    async def _run(self, entry) -> None:
+    async def _run(self, entry: RunEntry) -> None:
         from gyre_slurm.agents.loop import run_agent
         from gyre_slurm.config.phases import step_shape
         from gyre_slurm.envs import make_env
@@ -180,7 +185,7 @@ class RolloutManager:
         self.rd.event("run_end", run_id=run_id, status=status, reward=record.get("reward"),
                       trajectories=len(trajectories), error=record.get("error"))
 
-    async def _off_loop(self, fn, *args):
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` on the worker thread; this task counts as ending meanwhile."""
         task = asyncio.current_task()
         self.ending.add(task)

@@ -16,30 +16,35 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 from gyre_slurm.models import tiny
 from gyre_slurm.runtime import checkpoint
+from gyre_slurm.runtime.book import Microbatch
 from gyre_slurm.runtime.control import CommandError
 from gyre_slurm.runtime.handoff import Handoffs
 from gyre_slurm.runtime.job import JobState
 from gyre_slurm.runtime.recovery import Recovery
 from gyre_slurm.runtime.world import TrainWorld
 
+if TYPE_CHECKING:
+    from gyre_slurm.runtime.metrics import MetricsLog
+
 
 class MicrobatchFailed(Exception):
     """Training a micro-batch failed with `error`; `microbatch` is (stream index, batch),
     trained again once the world is rebuilt."""
 
-    def __init__(self, error: CommandError, microbatch: tuple[int, list[dict]]):
+    def __init__(self, error: CommandError, microbatch: Microbatch):
         super().__init__(str(error))
         self.error, self.microbatch = error, microbatch
 
 
 class TrainingLoop:
     def __init__(self, *, job: JobState, world: TrainWorld, recovery: Recovery,
-                 handoffs: Handoffs, metrics):
+                 handoffs: Handoffs, metrics: MetricsLog):
         self.job, self.world, self.recovery, self.handoffs = job, world, recovery, handoffs
-        self.metrics = metrics  # runtime.metrics.MetricsLog: metrics.jsonl and TensorBoard
+        self.metrics = metrics  # metrics.jsonl and TensorBoard
         self.train_rate: list[float] = []  # tokens/s per cell of each micro-batch
         self.step_signals: dict[int, dict] = {}  # stream index -> its micro-batch's sums
         self.rewards: list[dict] = []  # per step: mean reward, ok runs

@@ -35,6 +35,7 @@ import asyncio
 import dataclasses
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from gyre_slurm.common.fsio import write_json_atomic
@@ -71,7 +72,8 @@ class TrainWorld:
         """A checkpoint's trainer state: a file, or a dist_checkpointing directory."""
         return "trainer" if self.reshard else "trainer.pt"
 
-    async def _all(self, nodes, path: str, payload=None, per_rank=None) -> list[dict]:
+    async def _all(self, nodes: list[int], path: str, payload: dict | None = None,
+                   per_rank: Callable[[int, int], dict] | None = None) -> list[dict]:
         calls = []
         for rank, node in enumerate(nodes):
             body = dict(payload or {})
