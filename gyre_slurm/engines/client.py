@@ -89,6 +89,33 @@ class EngineClient:
     async def resume(self, path: str | Path, version: int) -> dict[str, Any]:
         return await self._call("POST", "/resume", {"path": str(path), "version": version})
 
+    # -- streamed weight sync (gyre_slurm.train.wsync; the routes of vLLM's RL API) ---------
+    async def num_workers(self) -> int:
+        """Members this server brings to a transfer group (its workers; it answers)."""
+        await self.health(timeout_s=10.0)
+        return 1
+
+    async def wake(self) -> dict[str, Any]:
+        """Make a released engine ready to receive a streamed policy (it serves again
+        only once a round has finished)."""
+        return await self._call("POST", "/resume", {})
+
+    async def init_weight_transfer(self, init_info: dict[str, Any], *,
+                                   timeout_s: float | None = None) -> dict[str, Any]:
+        return await self._call("POST", "/init_weight_transfer_engine",
+                                {"init_info": init_info}, timeout_s=timeout_s)
+
+    async def begin_weight_update(self) -> None:
+        await self._call("POST", "/start_weight_update", {})
+
+    async def update_weights(self, *, generation: int, version: int) -> dict[str, Any]:
+        return await self._call("POST", "/update_weights", {
+            "update_info": {"generation": generation, "version": version}})
+
+    async def finish_weight_update(self, version: int) -> dict[str, Any]:
+        await self._call("POST", "/finish_weight_update", {"weight_version": str(version)})
+        return {"policy_version": version}
+
     async def models(self) -> dict[str, Any]:
         return await self._call("GET", "/v1/models")
 

@@ -18,10 +18,29 @@ Requests and answers are JSON:
     POST /load_weights  {"path", "version"} -> {"policy_version"} (after the generations
                         already in flight, which finish under the old version)
     POST /release       -> {"status": "released"}  (then /generate answers 503)
-    POST /resume        {"path", "version"} -> {"status": "ok", "policy_version"}
+    POST /resume        {"path", "version"} -> {"status": "ok", "policy_version"};
+                        without "path": a model whose weights a streamed round brings
+                        (status "syncing" until then) -> {"status": "syncing"}
     GET  /v1/models     -> {"object": "list", "data": [{"id": NAME, ...}]}
 
-Errors are `{"error": message}` with 400 (bad request), 401, 503 (released) or 500.
+Streamed weight sync (gyre_slurm.train.wsync), the routes and payloads of vLLM's RL API, so
+the coordinator drives both engines alike:
+
+    POST /init_weight_transfer_engine  {"init_info": {...}} join a transfer generation
+                                       (blocks until every member has joined)
+    POST /start_weight_update          {}
+    POST /update_weights               {"update_info": {"generation", "version"}}: the
+                                       round is received on the model's worker thread,
+                                       after the generations already queued (they keep
+                                       the old version), before the ones queued after
+    POST /finish_weight_update         {"weight_version": "N"} (checks it)
+    POST /shutdown_weight_transfer_engine
+
+A stale generation is refused with 409. While a round is under way, or after one that
+failed, /generate answers 503 and /health says "syncing".
+
+Errors are `{"error": message}` with 400 (bad request), 401, 409 (stale transfer
+generation), 503 (released or syncing) or 500.
 A client that disconnects during /generate cancels it: the sampler stops at the next
 token (or drops it if still queued).
 SIGTERM/SIGINT stop the server cleanly; so does the exit of `--parent-pid` (checked every
@@ -52,6 +71,7 @@ from gyre_slurm.common import fsio
 from gyre_slurm.common.web import auth_middleware
 from gyre_slurm.engines.sampler import BadRequest, Released, Sampler, parse_generate
 from gyre_slurm.errors import UserError
+from gyre_slurm.train.dist import StaleGeneration
 
 log = logging.getLogger(__name__)
 START_DELAY_ENV = "GYRE_TEST_ENGINE_START_DELAY_FILE"
@@ -102,6 +122,8 @@ async def _errors_middleware(request: web.Request, handler):
         return _error(400, str(exc))
     except Released as exc:
         return _error(503, str(exc))
+    except StaleGeneration as exc:
+        return _error(409, str(exc))
     except Exception as exc:  # noqa: BLE001 - the server keeps serving
         log.exception("%s %s failed", request.method, request.path)
         return _error(500, f"{type(exc).__name__}: {exc}")
@@ -125,7 +147,7 @@ def _path_version(body: Any) -> tuple[Path, int]:
 
 async def health(request: web.Request) -> web.Response:
     sampler, state = request.app[SAMPLER], request.app[STATE]
-    return web.json_response({"status": "ok" if sampler.loaded else "released",
+    return web.json_response({"status": sampler.status,
                               "policy_version": sampler.version,
                               "active": state["active"], "cancelled": state["cancelled"]})
 
@@ -164,9 +186,61 @@ async def release(request: web.Request) -> web.Response:
 
 async def resume(request: web.Request) -> web.Response:
     sampler = request.app[SAMPLER]
-    path, version = _path_version(await _json(request))
+    body = await _json(request)
+    if isinstance(body, dict) and body.get("path") is None and "version" not in body:
+        await asyncio.wrap_future(sampler.fresh())
+        return web.json_response({"status": sampler.status})
+    path, version = _path_version(body)
     await asyncio.wrap_future(sampler.load(path, version))
     return web.json_response({"status": "ok", "policy_version": version})
+
+
+def _payload(body: Any, key: str) -> dict:
+    if not isinstance(body, dict) or not isinstance(body.get(key), dict):
+        raise BadRequest(f"body must be {{\"{key}\": {{...}}}}")
+    return body[key]
+
+
+async def init_transfer(request: web.Request) -> web.Response:
+    info = _payload(await _json(request), "init_info")
+    state = request.app[STATE]
+    try:
+        rank = int(info["rank_offset"])
+        out = await asyncio.to_thread(state["wsync"].join, info, rank=rank,
+                                      host=state["host"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BadRequest(f"bad init_info: {type(exc).__name__}: {exc}") from None
+    return web.json_response(out)
+
+
+async def start_update(request: web.Request) -> web.Response:
+    return web.json_response({"message": "Weight update started"})
+
+
+async def update_weights(request: web.Request) -> web.Response:
+    info = _payload(await _json(request), "update_info")
+    generation, version = info.get("generation"), info.get("version")
+    if not isinstance(generation, int) or not isinstance(version, int) or version < 0:
+        raise BadRequest("update_info must be {\"generation\": N, \"version\": V >= 0}")
+    sampler, state = request.app[SAMPLER], request.app[STATE]
+    stats = await asyncio.wrap_future(sampler.stream_update(state["wsync"], generation,
+                                                            version))
+    return web.json_response(stats)
+
+
+async def finish_update(request: web.Request) -> web.Response:
+    body = await _json(request)
+    label = body.get("weight_version") if isinstance(body, dict) else None
+    sampler = request.app[SAMPLER]
+    if label is not None and str(sampler.version) != str(label):
+        raise BadRequest(f"weight_version {label!r}, but the model holds version "
+                         f"{sampler.version}")
+    return web.json_response({"message": "Weight update finished"})
+
+
+async def shutdown_transfer(request: web.Request) -> web.Response:
+    await asyncio.to_thread(request.app[STATE]["wsync"].leave)
+    return web.json_response({"message": "Weight transfer shut down"})
 
 
 async def models(request: web.Request) -> web.Response:
@@ -176,15 +250,23 @@ async def models(request: web.Request) -> web.Response:
         "owned_by": "gyre"}]})
 
 
-def make_app(sampler: Sampler, *, secret: str, model_name: str) -> web.Application:
+def make_app(sampler: Sampler, *, secret: str, model_name: str,
+             host: str | None = None) -> web.Application:
+    from gyre_slurm.train.wsync.endpoint import Endpoint
+
     app = web.Application(middlewares=[auth_middleware(secret), _errors_middleware],
                           client_max_size=MAX_BODY_BYTES)
     app[SAMPLER] = sampler
     app[STATE] = {"active": 0, "cancelled": 0, "model_name": model_name,
-                  "created": int(time.time())}
+                  "created": int(time.time()), "wsync": Endpoint(), "host": host}
     app.add_routes([web.get("/health", health), web.post("/generate", generate),
                     web.post("/load_weights", load_weights), web.post("/release", release),
-                    web.post("/resume", resume), web.get("/v1/models", models)])
+                    web.post("/resume", resume), web.get("/v1/models", models),
+                    web.post("/init_weight_transfer_engine", init_transfer),
+                    web.post("/start_weight_update", start_update),
+                    web.post("/update_weights", update_weights),
+                    web.post("/finish_weight_update", finish_update),
+                    web.post("/shutdown_weight_transfer_engine", shutdown_transfer)])
     return app
 
 
@@ -205,8 +287,8 @@ async def serve(args: argparse.Namespace) -> None:
     await _test_start_delay()
     sampler = Sampler(args.model_dir)
     await asyncio.wrap_future(sampler.load(Path(args.weights), args.version))
-    runner = web.AppRunner(make_app(sampler, secret=secret, model_name=args.model_name),
-                           access_log=None, handler_cancellation=True)
+    app = make_app(sampler, secret=secret, model_name=args.model_name, host=args.host)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
@@ -229,6 +311,7 @@ async def serve(args: argparse.Namespace) -> None:
             watch.cancel()
         log.info("engine stopping")
         await runner.cleanup()
+        app[STATE]["wsync"].leave()
         sampler.close()
 
 

@@ -119,6 +119,25 @@ class Sampler:
     def loaded(self) -> bool:
         return self.model is not None
 
+    @property
+    def status(self) -> str:
+        """ok | released (no model) | syncing (a model whose weights are not a whole
+        policy: a streamed round is under way, failed, or has not come yet)."""
+        if self.model is None:
+            return "released"
+        return "ok" if self.version is not None else "syncing"
+
+    def fresh(self) -> concurrent.futures.Future:
+        """A model to stream weights into (its own are random until a round succeeds)."""
+        return self._pool.submit(self._fresh)
+
+    def stream_update(self, endpoint, generation: int, version: int
+                      ) -> concurrent.futures.Future:
+        """Receive policy `version` over the transfer group of `endpoint` (a
+        gyre_slurm.train.wsync Endpoint) in place, after the jobs already queued; the jobs
+        queued after it run under the new version."""
+        return self._pool.submit(self._stream_update, endpoint, generation, version)
+
     def load(self, weights: str | Path, version: int) -> concurrent.futures.Future:
         """(Re)load weights in place (after the jobs already queued); new version."""
         return self._pool.submit(self._load, Path(weights), version)
@@ -143,6 +162,33 @@ class Sampler:
         log.info("loaded weights %s as policy version %d", weights, version)
         return version
 
+    def _fresh(self) -> None:
+        if self.model is None:
+            self.model = tiny.new_model(self.model_dir).eval()
+        self.version = None
+
+    def _stream_update(self, endpoint, generation: int, version: int) -> dict:
+        import torch
+
+        from gyre_slurm.train.wsync import stream
+
+        group, plan = endpoint.check(generation)
+        if self.model is None:
+            raise Released("the model is released; POST /resume first")
+        self.version = None  # half-loaded weights never serve
+        params = self.model.state_dict()
+
+        def load(pairs) -> None:
+            with torch.no_grad():
+                for name, t in pairs:
+                    params[name].copy_(t)
+
+        stats = stream.receive(group, plan, load=load)
+        self.version = version
+        log.info("streamed policy version %d: %d buckets, %.1f MB in %.3f s", version,
+                 stats["buckets"], stats["bytes"] / 1e6, stats["seconds"])
+        return stats
+
     def _release(self) -> None:
         self.model = None
         import gc
@@ -157,6 +203,8 @@ class Sampler:
         model, version = self.model, self.version
         if model is None:
             raise Released("the model is released; POST /resume first")
+        if version is None:
+            raise Released("the weights are being synced (no whole policy loaded)")
         budget = min(req.max_tokens, self.max_positions - len(req.prompt_ids))
         gen = torch.Generator()
         gen.manual_seed(req.seed if req.seed is not None else random.getrandbits(63))

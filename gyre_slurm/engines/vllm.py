@@ -290,7 +290,10 @@ def vllm_command(*, python: str, serve_dir: str | Path, host: str, port: int,
            "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs",
            "--enable-scale-out", "--enable-server-load-tracking",
            "--generation-config", "vllm", "--disable-uvicorn-access-log",
-           "--middleware", "gyre_slurm.engines.vllm_guard.GuardAll"]
+           "--middleware", "gyre_slurm.engines.vllm_guard.GuardAll",
+           # streamed weight sync: gyre's engine in vLLM's weight-transfer framework
+           "--worker-extension-cls", "gyre_slurm.engines.vllm_wsync.GyreWorkerExtension",
+           "--weight-transfer-config", '{"backend": "gyre"}']
     if tensor_parallel > 1:
         cmd += ["--tensor-parallel-size", str(tensor_parallel)]
     if device == "cpu":

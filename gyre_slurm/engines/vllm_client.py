@@ -18,6 +18,7 @@ from gyre_slurm.models import tiny
 log = logging.getLogger(__name__)
 
 RELEASED = "released"
+SYNCING = "syncing"
 
 
 class VllmClient(EngineClient):
@@ -140,14 +141,17 @@ class VllmClient(EngineClient):
         return label, _version(label)
 
     async def health(self, *, timeout_s: float | None = 5.0) -> dict[str, Any]:
-        """{"status": "ok"|"released"|"paused", "policy_version", "active",
-        "weight_label"} from the server (paused: a reload in progress, or failed)."""
+        """{"status": "ok"|"released"|"paused"|"syncing", "policy_version", "active",
+        "weight_label"} from the server (paused: a reload in progress, or failed;
+        syncing: a streamed round under way, or one that failed)."""
         await self._call("GET", "/health", timeout_s=timeout_s, json_answer=False)
         (label, version), paused, load = await asyncio.gather(
             self._label(), self._call("GET", "/is_paused", timeout_s=timeout_s),
             self._call("GET", "/load", timeout_s=timeout_s))
         if label == RELEASED:
             status = "released"
+        elif label == SYNCING:
+            status = "syncing"
         elif paused.get("is_paused") or version is None:
             status = "paused"
         else:
@@ -211,6 +215,53 @@ class VllmClient(EngineClient):
         await self._call("POST", "/resume")
         self.released = False
         return {"status": "ok", "policy_version": version}
+
+
+    # -- streamed weight sync: gyre's engine in vLLM's weight-transfer framework -------
+    # (gyre_slurm.engines.vllm_wsync; vLLM's RL routes drive it)
+    async def num_workers(self) -> int:
+        info = await self._call("GET", "/get_world_size", timeout_s=30)
+        return int(info["world_size"])
+
+    async def wake(self) -> dict[str, Any]:
+        """A released engine gets its weights' memory back (sleep mode) to receive a
+        streamed policy; it stays paused, labelled "released", until the round's
+        finish_weight_update resumes it."""
+        async with self._control:
+            if await self._uses_sleep():
+                await self._call("POST", "/wake_up", params={"tags": "weights"})
+            self.released = True
+            return {"status": "syncing"}
+
+    async def init_weight_transfer(self, init_info: dict[str, Any], *,
+                                   timeout_s: float | None = None) -> dict[str, Any]:
+        return await self._call("POST", "/init_weight_transfer_engine",
+                                {"init_info": init_info}, timeout_s=timeout_s)
+
+    async def begin_weight_update(self) -> None:
+        """Pause once the generations in flight are done (they keep the old version),
+        label the weights "syncing" (a round that fails leaves no policy version for
+        anything to report), start vLLM's layerwise reload."""
+        async with self._control:
+            await self._call("POST", "/pause", params={"mode": "wait"})
+            await self._call("POST", "/update_weight_version", {"new_version": SYNCING})
+            await self._call("POST", "/start_weight_update", json_answer=False)
+
+    async def update_weights(self, *, generation: int, version: int) -> dict[str, Any]:
+        await self._call("POST", "/update_weights", {
+            "update_info": {"generation": generation, "version": version}})
+        return {}
+
+    async def finish_weight_update(self, version: int) -> dict[str, Any]:
+        """End the reload, label it `version`, wake whatever still sleeps, resume."""
+        async with self._control:
+            await self._call("POST", "/finish_weight_update",
+                             {"weight_version": str(version)})
+            if await self._uses_sleep():
+                await self._call("POST", "/wake_up")
+            await self._call("POST", "/resume")
+            self.released = False
+            return {"policy_version": version}
 
 
 def _version(label: Any) -> int | None:

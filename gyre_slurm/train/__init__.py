@@ -6,5 +6,6 @@ the only place groups are created), `layout` (pure rank arithmetic for train cel
 handoff plans), `loss` (token-level clipped policy-gradient loss), `worker`
 (`TrainerWorker`: join/flush/leave a world, micro-batches, optimizer steps,
 checkpoints), `harness` (local worker processes driven by commands: tests, benchmarks,
-the embedded launcher).
+the embedded launcher), `wsync/` (the streamed weight sync: the policy from the ranks
+holding its shards to the rollout servers, in buckets, no rank holding the whole model).
 """

@@ -8,7 +8,12 @@ no key left by an old group can be read by a new one: re-initialising through
 `init_method="env://"` instead reuses old keys, and then init "succeeds" and the first
 collective hangs. Two disjoint worlds may exist at once, each with its own generation.
 
-This module is the only place that creates or destroys process groups.
+This module is the only place that creates or destroys process groups: the training
+worlds (`join_world`) and the weight-transfer groups (`join_transfer_group`: the
+training ranks and the rollout servers' workers, one generation per membership, see
+`gyre_slurm.train.wsync`). A transfer group is a process group object of its own, outside
+torch.distributed's global state: a training rank is in its world and in a transfer
+group at once, and a vLLM worker keeps its own groups.
 
 Nothing that crosses a group is unpickled: objects travel as bytes in uint8 tensors
 (`broadcast_text`, `gather_bytes`), which the receiver decodes with a format that
@@ -203,3 +208,111 @@ def gather_bytes(payload: bytes, dst: int = 0) -> list[bytes] | None:
     if not mine:
         return None
     return [bytes(t[:n].cpu().numpy()) for t, n in zip(parts, lengths)]
+
+
+# ---- weight-transfer groups ---------------------------------------------------------------
+
+TRANSFER_CURRENT_KEY = "wsync/current"
+JOIN_TIMEOUT_S = 60.0
+
+
+class StaleGeneration(RuntimeError):
+    """A member was asked to use a transfer generation that is no longer the current one."""
+
+
+@dataclass(frozen=True)
+class TransferSpec:
+    """One generation of the weight-transfer group (training ranks first, then the
+    rollout servers' workers), on the job's TCPStore under `wsync/gen<N>/`."""
+
+    generation: int
+    world_size: int
+    store_host: str
+    store_port: int
+    backend: str = "gloo"
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.generation < 1 or self.world_size < 2 or self.timeout_s <= 0:
+            raise ValueError(f"bad transfer group spec: {self}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
+
+    @property
+    def prefix(self) -> str:
+        return f"wsync/gen{self.generation}"  # PrefixStore adds the "/"
+
+
+def announce_transfer_generation(store, generation: int) -> None:
+    """The coordinator (holding the store) makes `generation` the current one: members
+    asked to join an older one refuse (`StaleGeneration`)."""
+    store.set(TRANSFER_CURRENT_KEY, str(int(generation)))
+
+
+class TransferGroup:
+    """A process group of one transfer generation: point-to-point sends and receives
+    (`send`, `recv` return torch Work objects), nothing global."""
+
+    def __init__(self, spec: TransferSpec, rank: int, pg):
+        self.spec, self.rank, self.pg = spec, rank, pg
+
+    @property
+    def generation(self) -> int:
+        return self.spec.generation
+
+    def check(self, generation: int) -> None:
+        if generation != self.spec.generation:
+            raise StaleGeneration(f"transfer generation {generation} refused: this member "
+                                  f"is in generation {self.spec.generation}")
+
+    def wait(self, work) -> None:
+        """Wait for a send or receive, at most the spec's `timeout_s`."""
+        work.wait(timedelta(seconds=self.spec.timeout_s))
+
+    def send(self, tensor, dst: int, tag: int):
+        return self.pg.send([tensor], dst, tag)
+
+    def recv(self, tensor, src: int, tag: int):
+        return self.pg.recv([tensor], src, tag)
+
+    def close(self) -> None:
+        try:
+            self.pg.abort() if self.spec.backend == "nccl" else self.pg.shutdown()
+        except Exception:  # noqa: BLE001 - a dead peer may leave nothing to shut down
+            logger.debug("closing transfer generation %d", self.generation, exc_info=True)
+
+
+def join_transfer_group(spec: TransferSpec, rank: int, *, host: str | None = None
+                        ) -> TransferGroup:
+    """Join transfer generation `spec` as `rank` (blocks until all members joined, at
+    most max(`spec.timeout_s`, JOIN_TIMEOUT_S)). `host`: this member's own address,
+    where gloo listens (default: the host name's). StaleGeneration when the store's current generation is another."""
+    import torch
+    import torch.distributed as dist
+
+    if not 0 <= rank < spec.world_size:
+        raise ValueError(f"rank {rank} outside a transfer group of {spec.world_size}")
+    client = _client(spec.store_host, spec.store_port, spec.timeout_s)
+    current = int(client.get(TRANSFER_CURRENT_KEY).decode())
+    if current != spec.generation:
+        raise StaleGeneration(f"transfer generation {spec.generation} refused: the current "
+                              f"one is {current}")
+    store = dist.PrefixStore(spec.prefix, client)
+    # Members come up at their own pace (a server's worker, a rank busy a moment): the
+    # rendezvous may take longer than one send (`TransferGroup.wait` bounds those).
+    timeout = timedelta(seconds=max(spec.timeout_s, JOIN_TIMEOUT_S))
+    t0 = time.perf_counter()
+    if spec.backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if host
+                         else dist.ProcessGroupGloo.create_default_device()]
+        pg = dist.ProcessGroupGloo(store, rank, spec.world_size, opts)
+    else:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        torch.cuda.current_device()  # the member's device is set before it joins
+        pg = dist.ProcessGroupNCCL(store, rank, spec.world_size, opts)
+    logger.info("joined transfer generation %d as rank %d/%d in %.3f s", spec.generation,
+                rank, spec.world_size, time.perf_counter() - t0)
+    return TransferGroup(spec, rank, pg)

@@ -46,6 +46,7 @@ from gyre_slurm.train import dist as gdist
 from gyre_slurm.train.dist import WorldSpec
 from gyre_slurm.train.loss import LossSettings, rows_from_trajectories
 from gyre_slurm.train.signals import loss_and_signals
+from gyre_slurm.train.wsync.endpoint import StreamSender
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def flat_grads_and_adamw(params: list, *, lr: float):
     return grads, optimizer
 
 
-class TrainerWorker:
+class TrainerWorker(StreamSender):
     def __init__(self, *, model_dir: Path, node_index: int, lr: float = 1e-3, seed: int = 0,
                  grad_clip: float = 1.0, loss: LossSettings | dict | None = None):
         self.model_dir = Path(model_dir)
@@ -138,6 +139,7 @@ class TrainerWorker:
         if not 0 <= src_rank < spec.world_size:
             raise ValueError(f"src_rank {src_rank} outside a world of {spec.world_size}")
         self.spec, self.rank = None, None  # the old world ends here, whatever happens next
+        self.wsync_leave()  # a transfer group is of one world's layout
         build_s = 0.0
         if self.model is None:
             t0 = time.perf_counter()
@@ -194,6 +196,7 @@ class TrainerWorker:
         broadcast). Unflushed gradients are lost: call `flush` first."""
         if self._grads is not None and bool(self._grads.any()):
             logger.warning("node %d leaves with unflushed gradients", self.node_index)
+        self.wsync_leave()
         destroy_s = gdist.leave_world()
         self._free()
         self.spec, self.rank = None, None
@@ -249,6 +252,17 @@ class TrainerWorker:
         return {"version": self.version, "grad_norm": norm, "skipped": skipped,
                 "allreduce_s": t1 - t0, "step_s": t2 - t1,
                 "publish_s": time.perf_counter() - t2}
+
+    # ---- streamed weight sync (gyre_slurm.train.wsync) -------------------------------------------
+
+    def wsync_layout(self):
+        from gyre_slurm.train.wsync.plan import TrainerLayout
+
+        return TrainerLayout("replicated", self.world_size)
+
+    def hf_pieces(self) -> dict[str, tuple[torch.Tensor, None]]:
+        """The whole model in Hugging Face names (every rank holds all of it)."""
+        return {k: (v.detach(), None) for k, v in self.model.state_dict().items()}
 
     # ---- state, digests, checkpoints -------------------------------------------------------
 

@@ -59,6 +59,7 @@ from gyre_slurm.train.signals import loss_and_signals
 from gyre_slurm.train.megatron import convert
 from gyre_slurm.train.megatron.convert import ModelShape
 from gyre_slurm.train.worker import flat_grads_and_adamw
+from gyre_slurm.train.wsync.endpoint import StreamSender
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def _sharded_sync_writes() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
-class MegatronWorker:
+class MegatronWorker(StreamSender):
     def __init__(self, *, model_dir: Path, node_index: int, lr: float = 1e-3, seed: int = 0,
                  grad_clip: float = 1.0, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                  loss: LossSettings | dict | None = None):
@@ -226,6 +227,7 @@ class MegatronWorker:
                              f"{self.tp} x pipeline_parallel {self.pp} (world size must be a "
                              "multiple of TP * PP)")
         self.spec, self.rank = None, None
+        self.wsync_leave()  # a transfer group is of one world's layout
         self._free()
         t0 = time.perf_counter()
         ps.destroy_model_parallel()
@@ -256,6 +258,7 @@ class MegatronWorker:
         from megatron.core import parallel_state as ps
 
         t0 = time.perf_counter()
+        self.wsync_leave()
         ps.destroy_model_parallel()
         gdist.leave_world()
         self._free()
@@ -437,6 +440,22 @@ class MegatronWorker:
             return None
         parts = [convert.unpack_pieces(p) for p in parts if p]
         return convert.gather_hf([p[1] for p in parts], [p[0] for p in parts], self.shape)
+
+    def wsync_layout(self):
+        from gyre_slurm.train.wsync.plan import TrainerLayout
+
+        return TrainerLayout("megatron", self.world_size, tp=self.tp, pp=self.pp)
+
+    def hf_pieces(self) -> dict[str, tuple[torch.Tensor, int | None]]:
+        """This rank's shard in Hugging Face names: views of its parameters, each with
+        the dimension along which the TP pieces concatenate (streamed weight sync)."""
+        from megatron.core import parallel_state as ps
+
+        local = {k: v.detach() for k, v in self.model.state_dict().items()
+                 if not k.endswith("_extra_state")}
+        return convert.megatron_shard_to_hf_pieces(
+            local, self.shape, tp_size=self.tp,
+            pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=self.pp)
 
     def publish(self, out_dir: Path) -> Path | None:
         """Collective: write the full model to `out_dir/model.safetensors` (rank 0)."""

@@ -1,0 +1,244 @@
+"""Streamed weight sync, the core (gyre_slurm.train.wsync): the plan (pure), and rounds
+between real processes over real gloo groups (tests/wsync_procs.py): every tensor arrives
+exact when buckets cut across TP/PP shards; a receiver that dies mid-round does not stop
+the others; one that hangs fails the round loudly; a stale generation is refused."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gyre_slurm.models import tiny
+from gyre_slurm.train.dist import (StaleGeneration, TransferSpec, announce_transfer_generation,
+                                   host_store, join_transfer_group)
+from gyre_slurm.train.wsync import plan as planlib
+from gyre_slurm.train.wsync.endpoint import Endpoint
+
+HERE = Path(__file__).resolve().parent
+HOST = "127.0.0.1"
+MB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """{family: (model_dir, meta state)}: 4 layers, 4 heads of 32, 2 KV heads (GQA)."""
+    root = tmp_path_factory.mktemp("wsync-models")
+    out = {}
+    for family in ("llama", "qwen2"):
+        d = tiny.make_model_dir(root / family, family=family, hidden_size=128, num_layers=4,
+                                num_heads=4, num_kv_heads=2, max_positions=512)
+        out[family] = (d, planlib.hf_meta_state(d))
+    return out
+
+
+def _covered(plan: planlib.Plan) -> dict[str, torch.Tensor]:
+    """How many pieces cover each element of each tensor."""
+    count = {name: torch.zeros(shape, dtype=torch.int8) for name, shape in plan.params}
+    for p in plan.pieces:
+        t = count[plan.params[p.param][0]]
+        (t if p.dim is None else t.narrow(p.dim, p.offset, p.length)).add_(1)
+    return count
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind,world,tp,pp,bucket", [
+    ("replicated", 1, 1, 1, 64 * MB), ("replicated", 3, 1, 1, 40_000),
+    ("megatron", 2, 2, 1, 100_000), ("megatron", 4, 1, 2, 1), ("megatron", 8, 2, 2, 300_000)])
+def test_plan_tiles_every_tensor_once_from_a_rank_that_holds_it(models, family, kind, world,
+                                                                tp, pp, bucket):
+    model_dir, hf = models[family]
+    layout = planlib.TrainerLayout(kind, world, tp=tp, pp=pp)
+    plan = planlib.build_plan(model_dir, layout, bucket_bytes=bucket, hf=hf)
+    assert [n for n, _ in plan.params] == list(hf)  # the Hugging Face order
+    assert all(bool((c == 1).all()) for c in _covered(plan).values())
+    held = {(t, p): planlib.shard_pieces(hf, model_dir, layout, t, p)
+            for t, p in layout.coords()}
+    for b in range(len(plan.buckets)):
+        pieces = plan.bucket_pieces(b)
+        size = sum(plan.param_bytes(i) for i in {p.param for p in pieces})
+        assert size <= bucket or len({p.param for p in pieces}) == 1
+        for p in pieces:
+            name = plan.params[p.param][0]
+            assert name in held[(p.tp, p.pp)]  # the sender's coordinate holds it
+            rank = p.sender
+            assert layout.rank(tp=p.tp, pp=p.pp, dp=b % layout.dp) == rank
+    assert [p.tag for p in plan.pieces] == list(range(len(plan.pieces)))
+    assert plan.model_bytes == sum(t.numel() * 4 for t in hf.values())
+
+
+def test_plan_round_trips_as_json_and_refuses_tampering(models):
+    model_dir, hf = models["qwen2"]
+    plan = planlib.build_plan(model_dir, planlib.TrainerLayout("megatron", 4, tp=2, pp=2),
+                              bucket_bytes=200_000, hf=hf)
+    data = json.loads(json.dumps(plan.to_json()))
+    assert planlib.from_json(data) == plan
+    data["pieces"][3][4] += 1  # one offset moved
+    with pytest.raises(ValueError, match="fingerprint"):
+        planlib.from_json(data)
+    with pytest.raises(ValueError, match="not a transfer plan"):
+        planlib.from_json({"format": 1})
+    with pytest.raises(ValueError, match="cannot hold"):
+        planlib.TrainerLayout("megatron", 3, tp=2)
+
+
+# ---- rounds between processes --------------------------------------------------------
+
+class Group:
+    """A transfer generation of processes: senders (training ranks) then receivers."""
+
+    def __init__(self, tmp: Path, model_dir: Path, plan: planlib.Plan, *, receivers: int,
+                 timeout_s: float = 30.0, generation: int = 1):
+        self.tmp, self.model_dir, self.plan = tmp, model_dir, plan
+        self.store, port = host_store(HOST)
+        announce_transfer_generation(self.store, generation)
+        self.generation = generation
+        self.senders = plan.layout.world_size
+        self.size = self.senders + receivers
+        self.transfer = {"generation": generation, "world_size": self.size,
+                         "store_host": HOST, "store_port": port, "backend": "gloo",
+                         "timeout_s": timeout_s}
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, rank: int, role: str, **extra) -> subprocess.Popen:
+        args = {"role": role, "model_dir": str(self.model_dir), "seed": 7, "rank": rank,
+                "plan": self.plan.to_json(), "transfer": self.transfer, **extra}
+        path = self.tmp / f"args-{rank}.json"
+        path.write_text(json.dumps(args))
+        proc = subprocess.Popen([sys.executable, str(HERE / "wsync_procs.py"), str(path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.procs.append(proc)
+        return proc
+
+    def run(self, *, rounds: int = 1, faults: dict | None = None, targets=None):
+        receivers = list(range(self.senders, self.size))
+        targets = receivers if targets is None else targets
+        for r in receivers:
+            self.start(r, "recv", rounds=rounds, generation=self.generation,
+                       fault=(faults or {}).get(r))
+        for r in range(self.senders):
+            self.start(r, "send", rounds=[{"generation": self.generation,
+                                           "targets": targets}] * rounds)
+        return self
+
+    def results(self, timeout_s: float = 120.0) -> dict[int, dict]:
+        out = {}
+        for rank, proc in enumerate(self.procs):
+            try:
+                stdout, stderr = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                continue
+            if proc.returncode == 0:
+                res = json.loads(stdout.strip().splitlines()[-1])
+                out[res["rank"]] = res
+            else:
+                out.setdefault(-1 - rank, {"code": proc.returncode, "stderr": stderr[-2000:]})
+        return out
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,world,tp,pp", [("megatron", 4, 2, 2), ("replicated", 2, 1, 1)])
+def test_buckets_cut_across_tp_and_pp_shards_and_every_tensor_arrives_exact(
+        models, tmp_path, kind, world, tp, pp):
+    model_dir, hf = models["qwen2"]
+    layout = planlib.TrainerLayout(kind, world, tp=tp, pp=pp)
+    # a few tensors per bucket: buckets end mid-layer, and one holds the end of stage 0
+    # and the start of stage 1, both TP ranks' pieces of each
+    plan = planlib.build_plan(model_dir, layout, bucket_bytes=200_000, hf=hf)
+    if kind == "megatron":
+        mixed = [b for b in range(len(plan.buckets))
+                 if len({(p.tp, p.pp) for p in plan.bucket_pieces(b)}) == 4]
+        assert mixed, "no bucket holds pieces of both TP ranks of both stages"
+    else:  # the replicas take turns
+        assert set(plan.senders()) == {0, 1}
+    group = Group(tmp_path, model_dir, plan, receivers=2).run(rounds=2)
+    try:
+        res = group.results()
+    finally:
+        group.close()
+    assert set(res) == set(range(world + 2)), res
+    for r in range(world, world + 2):
+        for got in res[r]["rounds"]:
+            assert "error" not in got, got
+            assert got["max_diff"] == 0.0 and got["names"] == sorted(hf)
+            assert got["buckets"] == len(plan.buckets)
+    sent = [sum(x["bytes"] for x in res[r]["rounds"]) for r in range(world)]
+    assert sum(sent) == 2 * 2 * plan.model_bytes  # each tensor once, to each receiver
+
+
+@pytest.mark.slow
+def test_a_receiver_lost_mid_round_does_not_stop_the_others(models, tmp_path):
+    model_dir, hf = models["llama"]
+    plan = planlib.build_plan(model_dir, planlib.TrainerLayout("replicated", 1),
+                              bucket_bytes=150_000, hf=hf)
+    group = Group(tmp_path, model_dir, plan, receivers=2)
+    group.run(faults={2: {"at_bucket": 2, "how": "die"}})
+    try:
+        res = group.results()
+    finally:
+        group.close()
+    sent = res[0]["rounds"][0]
+    assert list(sent["failed_targets"]) == ["2"], sent
+    got = res[1]["rounds"][0]
+    assert got["max_diff"] == 0.0 and got["names"] == sorted(hf)
+
+
+@pytest.mark.slow
+def test_a_receiver_that_hangs_fails_the_round_loudly(models, tmp_path):
+    model_dir, hf = models["llama"]
+    plan = planlib.build_plan(model_dir, planlib.TrainerLayout("replicated", 1),
+                              bucket_bytes=150_000, hf=hf)
+    group = Group(tmp_path, model_dir, plan, receivers=2, timeout_s=3.0)
+    group.run(faults={2: {"at_bucket": 1, "how": "stop"}})
+    try:
+        sender = group.procs[-1]
+        stdout, _ = sender.communicate(timeout=60)
+        sent = json.loads(stdout.strip().splitlines()[-1])["rounds"][0]
+        healthy = group.procs[0]
+        stdout, _ = healthy.communicate(timeout=60)
+        got = json.loads(stdout.strip().splitlines()[-1])["rounds"][0]
+    finally:
+        group.close()
+    assert sent == {"timed_out_target": 2}
+    assert "error" in got  # its pieces stopped coming: half loaded, and it says so
+
+
+def test_a_stale_transfer_generation_is_refused(models, tmp_path):
+    model_dir, hf = models["llama"]
+    store, port = host_store(HOST)
+    plan = planlib.build_plan(model_dir, planlib.TrainerLayout("replicated", 1),
+                              bucket_bytes=MB, hf=hf)
+    info = {"world_size": 2, "store_host": HOST, "store_port": port, "timeout_s": 20,
+            "plan": plan.to_json()}
+    announce_transfer_generation(store, 2)
+    with pytest.raises(StaleGeneration, match="generation 1 refused: the current one is 2"):
+        join_transfer_group(TransferSpec(1, 2, HOST, port, timeout_s=5), 0, host=HOST)
+    args = tmp_path / "hold.json"
+    args.write_text(json.dumps({"role": "hold", "model_dir": str(model_dir), "seed": 0,
+                                "rank": 1, "plan": info.pop("plan"),
+                                "transfer": {**info, "generation": 2}}))
+    other = subprocess.Popen([sys.executable, str(HERE / "wsync_procs.py"), str(args)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    ep = Endpoint()
+    try:
+        ep.join({**info, "plan": plan.to_json(), "generation": 2}, rank=0, host=HOST)
+        assert json.loads(other.stdout.readline())["generation"] == 2
+        with pytest.raises(StaleGeneration, match="generation 1 refused"):
+            ep.check(1)
+        with pytest.raises(StaleGeneration, match="in generation 2 already"):
+            ep.join({**info, "plan": plan.to_json(), "generation": 1}, rank=0, host=HOST)
+        assert ep.generation == 2  # a refused join leaves the member as it was
+        ep.check(2)
+    finally:
+        ep.leave()
+        other.communicate(timeout=30)
+    with pytest.raises(StaleGeneration, match="in no transfer group"):
+        ep.check(2)
