@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 from gyre_slurm.config.loader import FieldError, key
 
@@ -59,3 +60,63 @@ class GatewayConfig:
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise FieldError("default_max_tokens", f"must be >= 1 or null, got "
                              f"{self.default_max_tokens}")
+
+
+SCAFFOLD_TYPES = ("builtin", "command", "mini-swe-agent")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScaffoldConfig:
+    """Which agent drives a run: gyre's built-in loop, or an external program (any
+    scaffold that speaks the OpenAI API), started per run in a sandbox of its own with
+    the run's own gateway URL and key, its commands run in the task's sandbox through
+    the gateway, and the reward from the environment's check once it has ended."""
+
+    type: Literal["builtin", "command", "mini-swe-agent"] = key(
+        "builtin", "builtin (gyre's agent loop), command (any program), or mini-swe-agent "
+                   "(the shipped example)")
+    command: tuple[str, ...] = key((), "type command: the program and its arguments (the "
+                                       "task is in $GYRE_TASK and ~/TASK.md)")
+    python: str | None = key(None, "the scaffold's interpreter: a path or env:<role> (type "
+                                   "mini-swe-agent: default env:minisweagent); it also runs "
+                                   "the sandbox's gateway relay")
+    env_vars: dict[str, str] = key(factory=dict,
+                                   help="extra environment variables of the scaffold")
+    workdir: str | None = key(None, "a host folder with the scaffold's own files, shown "
+                                    "read-only at /opt/scaffold and its working directory "
+                                    "(null: its private writable home)")
+    timeout_s: float = key(600.0, "the scaffold is stopped (its whole sandbox) after this")
+    step_limit: int = key(20, "type mini-swe-agent: model calls per run at most")
+    isolation: Literal["bwrap", "none"] = key(
+        "bwrap", "bwrap (its own sandbox: no network but the run's gateway, no run dir, no "
+                 "secret) or none (trusted programs only)")
+    memory_mb: int = key(4096, "address space per process of the scaffold")
+    nproc: int = key(512, "processes and threads of the scaffold's sandbox")
+
+    def __post_init__(self) -> None:
+        if self.type not in SCAFFOLD_TYPES:
+            raise FieldError("type", f"= {self.type!r}: use one of {', '.join(SCAFFOLD_TYPES)}")
+        if self.type == "command" and not self.command:
+            raise FieldError("command", "is empty but type is command: give the program and "
+                             "its arguments, e.g. [python3, my_agent.py]")
+        if self.type != "command" and self.command:
+            raise FieldError("command", f"is set but type is {self.type!r}: set type: command")
+        if self.isolation not in ("bwrap", "none"):
+            raise FieldError("isolation", f"= {self.isolation!r}: use bwrap or none")
+        for name in ("timeout_s", "step_limit", "memory_mb", "nproc"):
+            if not getattr(self, name) > 0:
+                raise FieldError(name, f"must be > 0, got {getattr(self, name)}")
+        if self.python is not None and not self.python.strip():
+            raise FieldError("python", "is empty: give an interpreter path, env:<role>, or null")
+        bad = [k for k in self.env_vars if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)
+               or k in RESERVED_ENV]
+        if bad:
+            raise FieldError("env_vars", f"has {bad[0]!r}: not a variable name, or one gyre "
+                             f"sets ({', '.join(RESERVED_ENV)})")
+
+    @property
+    def external(self) -> bool:
+        return self.type != "builtin"
+
+
+RESERVED_ENV = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "GYRE_RUN_ID", "GYRE_EXEC_URL", "GYRE_TASK")

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from gyre_slurm.config.agents import ScaffoldConfig
 from gyre_slurm.config.loader import FieldError, key
 from gyre_slurm.config.phases import PhaseConfig, check_phases
 from gyre_slurm.errors import ConfigError
@@ -196,6 +197,10 @@ class AgentConfig:
     max_tokens: int = key(16, "tokens generated per call at most")
     temperature: float = key(1.0, "sampling temperature")
     run_timeout_s: float = key(300.0, "a run still going after this is ended as a timeout")
+    scaffold: ScaffoldConfig = key(factory=ScaffoldConfig, help=ScaffoldConfig.__doc__)
+    scaffold_per_task: dict[str, ScaffoldConfig] = key(
+        factory=dict, help="task id pattern (fnmatch, e.g. shell/count-lines/*) -> the "
+                           "scaffold of those tasks (the first match; else `scaffold`)")
 
     def __post_init__(self) -> None:
         _all_positive(self, ("max_turns", "context_budget_tokens", "max_tokens",

@@ -33,6 +33,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import re
 import secrets
 import time
@@ -45,6 +46,7 @@ from aiohttp import web
 from gyre_slurm.common.web import BODY_TIMEOUT_S, IDLE_TIMEOUT_S, BadRequest, read_json_object
 from gyre_slurm.engines.client import EngineClient, EngineError
 from gyre_slurm.engines.embedded import check_loopback
+from gyre_slurm.errors import CommandRefused
 from gyre_slurm.gateway import openai, tools
 from gyre_slurm.gateway.history import Anchor, History, Served, turn_anchor
 from gyre_slurm.gateway.router import NoServer, Router
@@ -99,6 +101,7 @@ class Gateway:
         self._created = int(time.time())
         self._runner: web.AppRunner | None = None
         self._reaper: asyncio.Task | None = None
+        self._exec: dict[str, Any] = {}  # run id -> async fn(command) -> dict (sandbox/exec)
 
     # -- control by the coordinator (same event loop) --------------------------------
     def add_server(self, server_id: str, client: EngineClient, capacity: int) -> None:
@@ -126,12 +129,28 @@ class Gateway:
     def end_run(self, run_id: str) -> None:
         """The run is over: its key is revoked and everything kept for it is freed."""
         state = self.runs.end(run_id)
+        self._exec.pop(run_id, None)
         self.router.end_run(run_id)
         self.history.forget(run_id)
         self._calls.pop(run_id, None)
         writer = self.external_writer if state is not None and state.external \
             else self.call_writer
         writer.forget(run_id)
+
+    def attach_exec(self, run_id: str, execute) -> None:
+        """Serve `POST /runs/<run_id>/sandbox/exec` {"command"} for the run (its key only):
+        `await execute(command)` -> a JSON object (the command's output, exit code,
+        limit); it raises `errors.CommandRefused` to refuse one (409). Until `detach_exec` or
+        `end_run`."""
+        self._exec[run_id] = execute
+
+    def detach_exec(self, run_id: str) -> None:
+        self._exec.pop(run_id, None)
+
+    def server_errors(self, run_id: str) -> int:
+        """Calls of a live run that failed because of a rollout server (502/503)."""
+        state = self.runs.runs.get(run_id)
+        return state.server_errors if state is not None else 0
 
     def run_stats(self) -> dict[str, int]:
         """Live job and external runs, ended external ids remembered, runs with history."""
@@ -141,14 +160,17 @@ class Gateway:
         """Calls recorded for a live run (0 once it ended: nothing is kept)."""
         return self._calls.get(run_id, 0)
 
-    async def start(self, host: str, port: int) -> int:
+    async def start(self, host: str, port: int, *, unix_path: str | os.PathLike | None = None
+                    ) -> int:
+        """Serve on host:port (and on the Unix socket `unix_path`, for sandboxes)."""
         check_loopback(host)
         app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY_BYTES)
         app.add_routes([
             web.post("/runs/{run_id}/v1/chat/completions", self._chat),
             web.post("/runs/{run_id}/v1/completions", self._completions),
             web.get("/runs/{run_id}/v1/models", self._models),
-            web.post("/runs/{run_id}/end", self._end)])
+            web.post("/runs/{run_id}/end", self._end),
+            web.post("/runs/{run_id}/sandbox/exec", self._sandbox_exec)])
         # handler_cancellation: a client that disconnects cancels its handler, and so
         # its engine calls (the engines stop those generations)
         self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.idle_timeout_s,
@@ -156,6 +178,9 @@ class Gateway:
         await self._runner.setup()
         await web.TCPSite(self._runner, host, port).start()
         bound = self._runner.addresses[0][1]
+        if unix_path is not None:  # scaffolds' sandboxes reach the gateway only this way
+            await web.UnixSite(self._runner, str(unix_path)).start()
+            os.chmod(unix_path, 0o666)  # the sandbox's user; the run keys guard it
         log.info("gateway serving at http://%s:%d/runs/<run_id>/v1", host, bound)
         if self.runs.external is not None:
             self._reaper = asyncio.create_task(self._reap_external())
@@ -241,6 +266,22 @@ class Gateway:
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(openai.models_response(self.model_name, self._created))
+
+    async def _sandbox_exec(self, request: web.Request) -> web.Response:
+        """A command of the run's scaffold, run in the run's task sandbox."""
+        state: RunState = request[RUN]
+        execute = self._exec.get(state.run_id)
+        if execute is None:
+            raise HttpError(404, f"run {state.run_id!r} has no sandbox to run commands in "
+                            "(only runs of an external scaffold on a tool environment)")
+        _, body = await self._body(request)
+        command = body.get("command")
+        if not isinstance(command, str) or not command.strip() or set(body) - {"command"}:
+            raise HttpError(400, "body must be {\"command\": a non-empty shell command}")
+        try:
+            return web.json_response(await execute(command))
+        except CommandRefused as exc:
+            raise HttpError(409, str(exc)) from None
 
     async def _end(self, request: web.Request) -> web.Response:
         """An external run says it is done (a job run ends when the coordinator says)."""
@@ -387,6 +428,7 @@ class Gateway:
             server = await self.router.acquire(run_id, wait_s=self.wait_for_server_s, num=n,
                                                external=run.external)
         except NoServer as exc:
+            run.server_errors += 1
             raise HttpError(503, str(exc), "server_unavailable") from None
         t_start = time.time()
 
@@ -405,6 +447,7 @@ class Gateway:
                 if r.status == 400:
                     raise HttpError(400, f"the model rejected the request: {r}") from None
                 log.warning("run %s: server %s failed: %s", run_id, server.server_id, r)
+                run.server_errors += 1
                 if r.status == 0:  # no answer at all: no new runs there until it is healthy
                     self.router.suspect(server.server_id)
                 raise HttpError(502, f"rollout server {server.server_id!r} failed: {r}",

@@ -52,6 +52,7 @@ class RunState:
     t_open: float
     t_last: float
     in_flight: int = 0
+    server_errors: int = 0  # calls failed by a rollout server (502/503)
     ending: bool = False  # an external run past its time: ends when its calls are done
 
 

@@ -38,6 +38,7 @@ import asyncio
 import collections
 import logging
 import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -89,6 +90,7 @@ class Coordinator:
         self.external_writer = None  # ... of external runs (gateway.external)
         self.gateway = None  # gateway.Gateway
         self.gateway_url: str | None = None
+        self.gateway_socket: Path | None = None  # for sandboxed scaffolds (agents.scaffold)
         self.world: TrainWorld | None = None
         self.metrics = None  # runtime.metrics.MetricsLog: metrics.jsonl and TensorBoard
         self.rollouts: RolloutManager | None = None
@@ -208,7 +210,8 @@ class Coordinator:
                                   purge_step=self.book.version if self.resume else None)
         self.rollouts = RolloutManager(cfg=cfg, rd=self.rd, book=self.book,
                                        gateway=self.gateway, gateway_url=self.gateway_url,
-                                       flush_calls=self.call_writer.flush)
+                                       flush_calls=self.call_writer.flush,
+                                       gateway_socket=self.gateway_socket)
         self.recovery = Recovery(job=self.job, world=self.world, gateway=self.gateway,
                                  agents=self.agents, launcher=self.launcher,
                                  started_from=start.state)
@@ -236,7 +239,10 @@ class Coordinator:
         self.gateway = Gateway(model_dir=self.rd.model_dir, call_writer=self.call_writer,
                                external=external, external_writer=self.external_writer,
                                default_max_tokens=self.cfg.gateway.default_max_tokens)
-        gw_port = await self.gateway.start(self.addr0, 0)
+        from gyre_slurm.agents.scaffold import gateway_socket_path
+
+        self.gateway_socket = gateway_socket_path(self.cfg.agent)
+        gw_port = await self.gateway.start(self.addr0, 0, unix_path=self.gateway_socket)
         self.gateway_url = f"http://{self.addr0}:{gw_port}"
 
     async def lay_out(self) -> None:
@@ -374,6 +380,8 @@ class Coordinator:
                 await client.close()
         if self.gateway is not None:
             await self.gateway.stop()
+        if self.gateway_socket is not None:
+            shutil.rmtree(self.gateway_socket.parent, ignore_errors=True)
         for writer in (self.call_writer, self.metrics, self.external_writer):
             if writer is not None:
                 writer.close()

@@ -21,6 +21,7 @@ attempt gets no run record; its partial calls stay in the store, never trained.
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import logging
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from gyre_slurm.common.fsio import append_jsonl
 from gyre_slurm.config.schema import GyreConfig
+from gyre_slurm.errors import UserError
 from gyre_slurm.runtime.book import RunEntry, StepBook
 from gyre_slurm.runtime.rundir import RunDir
 
@@ -41,7 +43,8 @@ log = logging.getLogger(__name__)
 
 class RolloutManager:
     def __init__(self, *, cfg: GyreConfig, rd: RunDir, book: StepBook, gateway: Gateway,
-                 gateway_url: str, flush_calls: Callable[[], None] | None = None):
+                 gateway_url: str, flush_calls: Callable[[], None] | None = None,
+                 gateway_socket: Path | None = None):
         self.cfg, self.rd, self.book = cfg, rd, book
         self.gateway, self.gateway_url = gateway, gateway_url
         self.flush_calls = flush_calls  # makes the gateway's recorded calls readable
@@ -63,6 +66,39 @@ class RolloutManager:
         make_env(cfg.agent.env, **self.env_params)
         for phase in cfg.workload.phases:
             make_env(cfg.agent.env, **self.env_params_at(phase.from_step))
+        self.scaffolds = self._scaffold_runners(gateway_socket)
+
+    def _scaffold_runners(self, socket: Path | None) -> dict[str | None, Any]:
+        """pattern (None: the default) -> a ScaffoldRunner, or None for the built-in loop.
+        An environment a scaffold cannot drive, or a scaffold that cannot start here, is
+        refused now."""
+        from gyre_slurm.agents.scaffold import ScaffoldRunner
+        from gyre_slurm.envs import make_env
+        from gyre_slurm.runtime.roles import resolve_python
+
+        agent, out = self.cfg.agent, {}
+        for pattern, spec in [(None, agent.scaffold), *agent.scaffold_per_task.items()]:
+            if not spec.external:
+                out[pattern] = None
+                continue
+            env = make_env(agent.env, **self.env_params)
+            if not (callable(getattr(env, "execute", None))
+                    and callable(getattr(env, "evaluate", None))):
+                raise UserError(f"agent.env = {agent.env!r} cannot be driven by an external "
+                                "scaffold (it has no execute/evaluate): use env shell, or "
+                                "agent.scaffold.type: builtin")
+            default = "env:minisweagent" if spec.type == "mini-swe-agent" else None
+            python = resolve_python(spec.python or default, section="agent.scaffold")
+            out[pattern] = ScaffoldRunner(spec, python=python, run_dir=self.rd.path,
+                                          socket_path=socket, gateway_url=self.gateway_url)
+        return out
+
+    def scaffold_for(self, task_id: str) -> Any:
+        """The runner of a task's scaffold (the first matching pattern), or None."""
+        for pattern, runner in self.scaffolds.items():
+            if pattern is not None and fnmatch.fnmatchcase(task_id, pattern):
+                return runner
+        return self.scaffolds[None]
 
     @property
     def started_file(self) -> Path:
@@ -115,25 +151,14 @@ class RolloutManager:
         return self._tasks_cache[step][prompt]
 
     async def _run(self, entry: RunEntry) -> None:
-        from gyre_slurm.agents.loop import run_agent
-        from gyre_slurm.config.phases import step_shape
         from gyre_slurm.envs import make_env
-        from gyre_slurm.envs.base import run_seed_of
 
         agent, faults = self.cfg.agent, self.cfg.faults
         env = make_env(agent.env, **self.env_params_at(entry.step))
-        turns = step_shape(self.cfg, entry.step).turns or agent.max_turns
         task = self._task_spec(entry.step, entry.prompt)
-        base_url = f"{self.gateway_url}/runs/{entry.run_id}/v1"
-        key = self.gateway.open_run(entry.run_id)  # revoked by end_run when the run ends
         try:
-            result = await asyncio.wait_for(run_agent(
-                base_url=base_url, api_key=key, env=env, task=task,
-                run_id=entry.run_id, max_turns=turns,
-                context_budget_tokens=agent.context_budget_tokens, max_tokens=agent.max_tokens,
-                temperature=agent.temperature,
-                run_seed=run_seed_of(self.cfg.seed, entry.run_id)), timeout=agent.run_timeout_s)
-            record, interrupted = result.to_record(), result.interrupted
+            record, interrupted = await asyncio.wait_for(self._episode(entry, env, task),
+                                                         timeout=agent.run_timeout_s)
         except asyncio.TimeoutError:
             interrupted = False
             record = {"run_id": entry.run_id, "task_id": task.task_id, "reward": 0.0,
@@ -145,6 +170,33 @@ class RolloutManager:
             self.restart(entry.run_id, reason=record["error"])
         else:
             await self.finish(entry.run_id, record)
+
+    async def _episode(self, entry: RunEntry, env: Any, task: Any) -> tuple[dict, bool]:
+        """One run with its agent: the task's scaffold or the built-in loop; each with the
+        run's own key (revoked by `end_run` when the run ends). (run record, interrupted)."""
+        from gyre_slurm.agents.loop import run_agent
+        from gyre_slurm.agents.scaffold import run_scaffold
+        from gyre_slurm.config.phases import step_shape
+        from gyre_slurm.envs.base import run_seed_of
+
+        agent, run_id = self.cfg.agent, entry.run_id
+        run_seed = run_seed_of(self.cfg.seed, run_id)
+        scaffold = self.scaffold_for(task.task_id)
+        if scaffold is not None:
+            record = await run_scaffold(scaffold, env=env, task=task, run_id=run_id,
+                                        gateway=self.gateway, run_seed=run_seed)
+        else:
+            result = await run_agent(
+                base_url=f"{self.gateway_url}/runs/{run_id}/v1",
+                api_key=self.gateway.open_run(run_id), env=env, task=task, run_id=run_id,
+                max_turns=step_shape(self.cfg, entry.step).turns or agent.max_turns,
+                context_budget_tokens=agent.context_budget_tokens,
+                max_tokens=agent.max_tokens, temperature=agent.temperature,
+                run_seed=run_seed)
+            return result.to_record(), result.interrupted
+        # failed after a rollout server failed under one of its calls (502/503)
+        return record, (record["status"] == "failed"
+                        and self.gateway.server_errors(run_id) > 0)
 
     def restart(self, run_id: str, *, reason: str) -> str:
         """The run was interrupted by a server failure: a new attempt, after a backoff."""

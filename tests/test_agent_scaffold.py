@@ -1,0 +1,252 @@
+"""An external scaffold as a run: the real gateway (with its Unix socket) in front of a
+real engine process, the `shell` environment, and the scaffold in its bubblewrap
+sandbox. The scaffold here is a probe (`scaffold_probe.py`): it makes a model call,
+runs the task's reference solution through the sandbox, and tries what a hostile
+scaffold would (the job secret, another run's files, the engine's and the gateway's TCP
+ports, another run's URL with its key). The reward comes from the task's tests, run
+after it has ended."""
+
+import asyncio
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engine_helpers import tiny_engines
+from gyre_slurm.agents.scaffold import ScaffoldRunner, run_scaffold
+from gyre_slurm.config.agents import ScaffoldConfig
+from gyre_slurm.engines import EngineClient
+from gyre_slurm.envs import make_env
+from gyre_slurm.envs.base import TaskSpec
+from gyre_slurm.envs.shell import TASKS_DIR
+from gyre_slurm.gateway import Gateway
+from gyre_slurm.traj.store import CallStoreWriter, load_store
+
+HERE = Path(__file__).resolve().parent
+HOST = "127.0.0.1"
+TASK = TaskSpec("shell/fix-off-by-one/0", 0)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    with tiny_engines(tmp_path_factory.mktemp("scaffold-engine"), max_positions=8192) as e:
+        yield dict(e, url=e["urls"][0])
+
+
+def scaffold_run(engine, run_dir, spec, *, env_params=None, probe_env=None, other=None):
+    """One run of TASK with `spec`; (record, probe.json or None, calls in the store)."""
+    async def main():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        sock_dir = Path(os.path.realpath("/tmp")) / f"gyre-gw-test-{os.getpid()}"
+        sock_dir.mkdir(exist_ok=True)
+        os.chmod(sock_dir, 0o711)
+        writer = CallStoreWriter(run_dir, "gateway")
+        gw = Gateway(model_dir=engine["model_dir"], call_writer=writer, wait_for_server_s=5,
+                     default_max_tokens=8)
+        port = await gw.start(HOST, 0, unix_path=sock_dir / "gateway.sock")
+        client = EngineClient(engine["url"], engine["secret"])
+        gw.add_server("s0", client, capacity=4)
+        if other:
+            gw.open_run(other)
+        runner = ScaffoldRunner(spec, python=sys.executable, run_dir=run_dir,
+                                socket_path=sock_dir / "gateway.sock",
+                                gateway_url=f"http://{HOST}:{port}")
+        env = make_env("shell", base_dir=str(run_dir / "sandboxes"), **(env_params or {}))
+        try:
+            record = await run_scaffold(runner, env=env, task=TASK, run_id="s0000-p000-g00",
+                                        gateway=gw, run_seed=1)
+            after = gw.calls_of("s0000-p000-g00")
+        finally:
+            await env.close()
+            await gw.stop()
+            await client.close()
+            writer.close()
+            shutil.rmtree(sock_dir, ignore_errors=True)
+        probe = runner.home("s0000-p000-g00") / "probe.json"
+        return record, json.loads(probe.read_text()) if probe.exists() else None, after, port
+    return asyncio.run(main())
+
+
+def probe_spec(tmp_path, **kw):
+    agent_dir = tmp_path / "agent"
+    agent_dir.mkdir()
+    shutil.copy(HERE / "scaffold_probe.py", agent_dir)
+    return ScaffoldConfig(type="command", command=("python3", "scaffold_probe.py"),
+                          workdir=str(agent_dir), timeout_s=120, **kw)
+
+
+def test_probe_scaffold_solves_through_the_sandbox_and_escapes_nothing(engine, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    secret = run_dir / "secret"
+    secret.write_text("the-job-secret")
+    secret.chmod(0o600)
+    other_home = run_dir / "scaffolds" / "s0000-p000-g01"
+    other_home.mkdir(parents=True)
+    (other_home / "TASK.md").write_text("another run's task")
+    solution = (TASKS_DIR / "fix-off-by-one" / "solution.sh").read_text()
+    engine_addr = engine["url"][7:]
+    spec = probe_spec(tmp_path, env_vars={
+        "PROBE_COMMANDS": json.dumps([solution, "id -u; ls /home/agent"]),
+        "PROBE_FILES": ":".join([str(secret), str(other_home / "TASK.md"),
+                                 str(run_dir / "calls"), "/root/.bash_history",
+                                 str(TASKS_DIR / "fix-off-by-one" / "solution.sh")]),
+        "PROBE_OTHER_RUN": "s0000-p000-g01"})
+    gw_probe = {"PROBE_TCP": f"{engine_addr},127.0.0.1:22"}
+    spec = ScaffoldConfig(**{**spec.__dict__, "env_vars": {**spec.env_vars, **gw_probe}})
+    record, probe, calls, port = scaffold_run(engine, run_dir, spec, other="s0000-p000-g01")
+    assert record["status"] == "ok", record["error"]
+    assert record["reward"] == 1.0 and all(record["tests"].values()), record
+    assert record["num_calls"] == calls == 1 and probe["chat"] == 200
+    assert probe["task_file"] is True
+    solved, ident = probe["commands"]
+    assert solved["returncode"] == 0 and solved["limit"] is None, solved
+    assert ident["output"].split()[0] == ("65534" if os.geteuid() == 0 else str(os.geteuid()))
+    assert "rangesum.py" in ident["output"]  # the task's sandbox, not the scaffold's home
+    for path, got in probe["files"].items():  # nothing of the run dir or the host
+        assert got.startswith("refused"), (path, got)
+    for addr, got in probe["tcp"].items():  # no network: not the engine, not anything
+        assert got.startswith("refused"), (addr, got)
+    assert probe["other_run"] == 401
+    assert probe["uid"] == (65534 if os.geteuid() == 0 else os.geteuid())
+    assert not {"GYRE_SECRET", "VLLM_API_KEY"} & set(probe["env_keys"])
+    recs = load_store(run_dir).runs["s0000-p000-g00"]
+    assert [d.call for d in recs] == [0]
+
+
+def test_scaffold_timeout_and_failure(engine, tmp_path):
+    spec = ScaffoldConfig(type="command", command=("python3", "-c", "import time; "
+                                                   "time.sleep(600)"), timeout_s=1.5)
+    t0 = time.monotonic()
+    record, _, _, _ = scaffold_run(engine, tmp_path / "slow", spec)
+    assert record["status"] == "timeout" and "1.5 s" in record["error"]
+    assert time.monotonic() - t0 < 30 and record["reward"] == 0.0
+    spec = ScaffoldConfig(type="command", command=("python3", "-c", "raise SystemExit(3)"))
+    record, _, _, _ = scaffold_run(engine, tmp_path / "fail", spec)
+    assert record["status"] == "failed" and "code 3" in record["error"]
+    assert record["scaffold"]["exit_code"] == 3
+
+
+def test_commands_past_max_steps_are_refused(engine, tmp_path):
+    spec = probe_spec(tmp_path, env_vars={"PROBE_COMMANDS": json.dumps(["true"] * 4)})
+    record, probe, _, _ = scaffold_run(engine, tmp_path / "run", spec,
+                                       env_params={"max_steps": 2})
+    assert [c["returncode"] for c in probe["commands"][:2]] == [0, 0]
+    assert all("max_steps" in str(c) for c in probe["commands"][2:]), probe["commands"]
+    assert record["status"] == "ok" and record["reward"] < 1.0
+
+
+MINI_SCRIPT = [
+    "Let me look around.\n```mswea_bash_command\nid -u; ls; tail -n +3 /proc/net/dev | "
+    "cut -d: -f1; cat /root/.bash_history /etc/shadow 2>&1 | head -3\n```",
+    "Fix it.\n```mswea_bash_command\n"
+    + (TASKS_DIR / "fix-off-by-one" / "solution.sh").read_text().strip() + "\n```",
+    "Done.\n```mswea_bash_command\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT\n```",
+]
+
+
+@pytest.mark.slow
+def test_mini_swe_agent_runs_its_commands_in_the_task_sandbox(engine, minisweagent_python,
+                                                              tmp_path):
+    """mini-swe-agent, unmodified, in its sandbox: its commands (the model's, scripted
+    here: a tiny random model writes none) run in the task's sandbox through the gateway,
+    it submits, and the task's tests pay 1.0."""
+    from gyre_slurm.models import tiny
+    from test_gateway_openai import ScriptedEngine
+
+    tok = tiny.load_tokenizer(engine["model_dir"])
+    scripted = ScriptedEngine(tok, MINI_SCRIPT)
+
+    async def main():
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        sock_dir = Path(os.path.realpath("/tmp")) / f"gyre-gw-mini-{os.getpid()}"
+        sock_dir.mkdir(exist_ok=True)
+        os.chmod(sock_dir, 0o711)
+        writer = CallStoreWriter(run_dir, "gateway")
+        gw = Gateway(model_dir=engine["model_dir"], call_writer=writer, wait_for_server_s=5,
+                     default_max_tokens=64)
+        port = await gw.start(HOST, 0, unix_path=sock_dir / "gateway.sock")
+        client = EngineClient(await scripted.start(), "unused")
+        gw.add_server("scripted", client, capacity=4)
+        spec = ScaffoldConfig(type="mini-swe-agent", step_limit=5, timeout_s=240)
+        runner = ScaffoldRunner(spec, python=minisweagent_python, run_dir=run_dir,
+                                socket_path=sock_dir / "gateway.sock",
+                                gateway_url=f"http://{HOST}:{port}")
+        env = make_env("shell", base_dir=str(run_dir / "sandboxes"))
+        try:
+            return await run_scaffold(runner, env=env, task=TASK, run_id="s0000-p000-g00",
+                                      gateway=gw, run_seed=1), run_dir
+        finally:
+            await env.close()
+            await gw.stop()
+            await client.close()
+            await scripted.runner.cleanup()
+            writer.close()
+            shutil.rmtree(sock_dir, ignore_errors=True)
+    record, run_dir = asyncio.run(main())
+    log = Path(record["scaffold"]["log"]).read_text()
+    assert record["status"] == "ok", (record["error"], log[-3000:])
+    assert record["reward"] == 1.0 and record["num_calls"] == 3, (record, log[-3000:])
+    prompts = [tok.decode(p) for p in scripted.prompts]
+    first_output = prompts[1].rsplit("<returncode>", 1)[1]
+    uid = "65534" if os.geteuid() == 0 else str(os.geteuid())
+    assert first_output.startswith(f"0</returncode>\n<output>\n{uid}\n"), first_output
+    assert "rangesum.py" in first_output  # the task's files: the task's sandbox
+    assert "    lo\n" in first_output and "eth" not in first_output  # no network
+    assert "No such file" in first_output and "Permission denied" in first_output
+    traj = json.loads((run_dir / "scaffolds" / "s0000-p000-g00" / "mini.traj.json").read_text())
+    assert traj["info"]["exit_status"] == "Submitted"
+
+
+def test_the_task_sandbox_holds_through_the_scaffold_path(engine, tmp_path):
+    """The shell environment's escape checks, sent as a scaffold's commands through the
+    gateway: writes outside the workdir fail, nothing of the tasks is in sight, no
+    network (TCP to a host listener, the gateway's Unix socket), a limit is reported
+    and the run goes on, nothing a command started outlives it."""
+    import socket
+    import threading
+
+    tag = f"gyre-scaffold-{os.getpid()}"
+    srv = socket.create_server(("127.0.0.1", 0))
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(srv.accept()), daemon=True).start()
+    marker = f"gyre-sleeper-{os.getpid()}"
+    commands = [f"echo x > /etc/{tag}", f"touch /tmp/../root/{tag}",
+                f"echo x > {HERE}/{tag}",
+                "find / \\( -path /proc -o -path /dev -o -path /sys \\) -prune -o \\( -name "
+                "solution.sh -o -name task.yaml -o -name gyre_runner.py \\) -print 2>/dev/null "
+                "| wc -l",
+                f"python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", "
+                f"{srv.getsockname()[1]}), timeout=3)' 2>&1 | tail -1",
+                "python3 -c 'import socket, glob; s = socket.socket(socket.AF_UNIX); "
+                "print(glob.glob(\"/tmp/gyre-gw-*\"))' 2>&1 | tail -1",
+                "sleep 30", f"(exec -a {marker} sleep 300) & echo started"]
+    spec = probe_spec(tmp_path, env_vars={"PROBE_COMMANDS": json.dumps(commands)})
+    record, probe, _, _ = scaffold_run(engine, tmp_path / "run", spec,
+                                       env_params={"time_s": 2.0})
+    srv.close()
+    writes, find, tcp, unix, slow, bg = (probe["commands"][:3], *probe["commands"][3:])
+    for w in writes:
+        assert w["returncode"] not in (0, None), w
+    assert find["output"].strip() == "0", find
+    assert "ConnectionRefusedError" in tcp["output"] and not accepted, tcp
+    assert "PermissionError" in unix["output"], unix  # seccomp: no AF_UNIX socket at all
+    assert slow["limit"] == "time" and slow["returncode"] is None
+    assert bg["returncode"] == 0 and "started" in bg["output"]
+    assert record["status"] == "ok"  # the limit ended the command, not the run
+    for path in (f"/etc/{tag}", f"/root/{tag}", f"{HERE}/{tag}"):
+        assert not os.path.lexists(path), path
+    left = [p for p in os.listdir("/proc") if p.isdigit() and marker in _cmdline(p)]
+    assert left == []
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
