@@ -65,3 +65,9 @@ def clients_python():
     """The client libraries' environment (openai, openai-agents, langchain-openai,
     pydantic-ai, litellm): tools/role-env clients."""
     return _role_python("clients")
+
+
+@pytest.fixture(scope="session")
+def verifiers_python():
+    """The verifiers library's environment: tools/role-env verifiers."""
+    return _role_python("verifiers")

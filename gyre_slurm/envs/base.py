@@ -138,7 +138,7 @@ def env_params_for_run(name: str, params: dict[str, Any], *, run_dir) -> dict[st
 
 def _load_builtin() -> None:
     # Imported here: the built-in environments register themselves on import.
-    from gyre_slurm.envs import learnable, longhorizon, shell  # noqa: F401
+    from gyre_slurm.envs import learnable, longhorizon, shell, verifiers_env  # noqa: F401
 
 
 def stable_int(*parts: object, bits: int = 31) -> int:

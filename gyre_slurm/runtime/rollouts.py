@@ -60,6 +60,11 @@ class RolloutManager:
 
         self.env_params = env_params_for_run(cfg.agent.env, cfg.agent.env_params,
                                              run_dir=rd.path)
+        if isinstance(self.env_params.get("python"), str):  # an env's own interpreter
+            from gyre_slurm.runtime.roles import resolve_python
+
+            self.env_params["python"] = resolve_python(self.env_params["python"],
+                                                       section="agent.env_params")
         # Made once now (and dropped: nothing was reset, so nothing to clean): a bad
         # environment setting (an unknown parameter, a sandbox that cannot isolate
         # here, a phase's turns the env cannot take) is refused before any run starts.
@@ -172,8 +177,10 @@ class RolloutManager:
             await self.finish(entry.run_id, record)
 
     async def _episode(self, entry: RunEntry, env: Any, task: Any) -> tuple[dict, bool]:
-        """One run with its agent: the task's scaffold or the built-in loop; each with the
-        run's own key (revoked by `end_run` when the run ends). (run record, interrupted)."""
+        """One run with its agent: the environment's own loop (`env.drive`: a verifiers
+        environment), the task's scaffold, or the built-in loop; each with the run's own
+        key (revoked by `end_run` when the run ends). (run record, interrupted)."""
+        from gyre_slurm.agents.driven import drives_itself, run_driven
         from gyre_slurm.agents.loop import run_agent
         from gyre_slurm.agents.scaffold import run_scaffold
         from gyre_slurm.config.phases import step_shape
@@ -182,7 +189,13 @@ class RolloutManager:
         agent, run_id = self.cfg.agent, entry.run_id
         run_seed = run_seed_of(self.cfg.seed, run_id)
         scaffold = self.scaffold_for(task.task_id)
-        if scaffold is not None:
+        if drives_itself(env):
+            record = await run_driven(
+                env=env, task=task, run_id=run_id, gateway=self.gateway,
+                gateway_url=self.gateway_url, max_tokens=agent.max_tokens,
+                temperature=agent.temperature, run_seed=run_seed,
+                log_path=self.rd.path / "logs" / f"env-{run_id}.log")
+        elif scaffold is not None:
             record = await run_scaffold(scaffold, env=env, task=task, run_id=run_id,
                                         gateway=self.gateway, run_seed=run_seed)
         else:

@@ -1,0 +1,43 @@
+"""A run of an environment that drives its own rollout (`env.drive`, e.g. a verifiers
+environment): gyre's agent loop stays out; the environment's own loop calls the model
+through the run's gateway URL with the run's own key, and its reward is the run's.
+
+    record = await run_driven(env=env, task=task, run_id=..., gateway=gateway,
+                              gateway_url=..., max_tokens=..., temperature=...,
+                              run_seed=..., log_path=RUN_DIR/logs/env-<run_id>.log)
+
+The record has the agent loop's fields (run_id, task_id, reward, status, num_calls,
+error, t_start, t_end) and the environment's `info` under "env_info".
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from gyre_slurm.errors import UserError
+
+
+def drives_itself(env) -> bool:
+    return callable(getattr(env, "drive", None))
+
+
+async def run_driven(*, env, task, run_id: str, gateway, gateway_url: str,
+                     max_tokens: int | None, temperature: float | None,
+                     run_seed: int | None, log_path: Path) -> dict[str, Any]:
+    record: dict[str, Any] = {"run_id": run_id, "task_id": task.task_id, "reward": 0.0,
+                              "status": "failed", "num_calls": 0, "num_compactions": 0,
+                              "error": None, "t_start": time.time()}
+    kw = {} if run_seed is None else {"run_seed": run_seed}
+    try:
+        await env.reset(task_id=task.task_id, seed=task.seed, **kw)
+        key = gateway.open_run(run_id)  # revoked by end_run when the run ends
+        result = await env.drive(base_url=f"{gateway_url}/runs/{run_id}/v1", api_key=key,
+                                 model=gateway.model_name, log_path=log_path,
+                                 max_tokens=max_tokens, temperature=temperature)
+        record.update(status="ok", reward=float(result.reward), env_info=result.info)
+    except (RuntimeError, UserError, OSError) as exc:  # the run fails, not the job
+        record["error"] = f"{type(exc).__name__}: {exc}"[:4000]
+    record.update(num_calls=gateway.calls_of(run_id), t_end=time.time())
+    return record
