@@ -42,6 +42,9 @@ the output (MemoryError, "Cannot allocate memory", ...), since a failed allocati
 not a signal; CPU time past the soft limit is SIGXCPU, but a SIGKILL at the hard limit
 (one second later) reads as an ordinary kill.
 
+A container image (`image=`, a task's `image:`): the command runs in it with Charliecloud's
+ch-run inside this same sandbox, limits and all (`gyre_slurm.envs.container`).
+
 Isolation `"none"` runs the command directly in `workdir` with the same limits and
 clean environment, but NO filesystem or network isolation: only for trusted commands.
 """
@@ -60,6 +63,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gyre_slurm.envs import container
 from gyre_slurm.errors import UserError
 
 ISOLATIONS = ("bwrap", "none")
@@ -156,15 +160,17 @@ def seccomp_program(machine: str | None = None) -> bytes | None:
 
 
 def bwrap_argv(workdir: Path | None, *, hide_paths: tuple[str, ...] = (),
-               seccomp_fd: int | None = None, privileged: bool = False) -> list[str]:
+               seccomp_fd: int | None = None, privileged: bool = False,
+               image: Path | None = None) -> list[str]:
     """The bwrap command line (up to the inner command): `workdir` becomes the writable
     SANDBOX_HOME (None: nothing writable, in `/`). `privileged` (we are root): bwrap
     keeps root for the mounts and the inner command drops it (`drop_argv`); otherwise
-    bwrap makes an unprivileged user namespace."""
+    bwrap makes an unprivileged user namespace. `image`: a container image shown for
+    ch-run (`gyre_slurm.envs.container`), which makes the user namespace itself."""
     argv = ["bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try"]
     if not privileged:
-        argv += ["--unshare-user", "--disable-userns"]
+        argv += ["--unshare-user"] + ([] if image is not None else ["--disable-userns"])
     argv += ["--die-with-parent", "--new-session", "--hostname", "sandbox",
              *system_mounts(), "--dev", "/dev", "--proc", "/proc"]
     for p in HIDDEN + tuple(p for p in hide_paths
@@ -173,6 +179,8 @@ def bwrap_argv(workdir: Path | None, *, hide_paths: tuple[str, ...] = (),
     home = "/" if workdir is None else SANDBOX_HOME
     if workdir is not None:
         argv += ["--bind", str(workdir), home]
+    if image is not None:
+        argv += container.bwrap_mounts(image)
     argv += ["--remount-ro", "/"]  # the root tmpfs, once every mount point is made
     argv += ["--chdir", home, "--clearenv", "--setenv", "PATH", SANDBOX_PATH,
              "--setenv", "HOME", home, "--setenv", "LANG", "C.UTF-8", "--setenv", "TERM", "dumb"]
@@ -192,11 +200,12 @@ def system_mounts() -> list[str]:
     return argv
 
 
-def drop_argv(uid: int) -> list[str]:
+def drop_argv(uid: int, *, userns: bool = True) -> list[str]:
     """Inside a privileged bwrap: become `uid` with no capabilities, in a user namespace
-    of its own (so RLIMIT_NPROC, set after it, counts this sandbox's processes only)."""
+    of its own (so RLIMIT_NPROC, set after it, counts this sandbox's processes only;
+    `userns=False` when ch-run makes that namespace)."""
     return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
-            "--bounding-set=-all", "--", "unshare", "--user", "--"]
+            "--bounding-set=-all", "--"] + (["unshare", "--user", "--"] if userns else [])
 
 
 def _under(path: str, roots: tuple[str, ...]) -> bool:
@@ -246,9 +255,16 @@ class Sandbox:
     """Runs commands in `workdir` under `limits` with the chosen isolation."""
 
     def __init__(self, workdir: Path, *, limits: Limits, isolation: str = "bwrap",
-                 hide_paths: tuple[str, ...] = (), sandbox_uid: int | None = None):
+                 hide_paths: tuple[str, ...] = (), sandbox_uid: int | None = None,
+                 image: Path | None = None):
         if isolation not in ISOLATIONS:
             raise UserError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
+        if image is not None and isolation != "bwrap":
+            raise UserError("a container image runs inside the bwrap sandbox: isolation "
+                            f"must be bwrap, got {isolation!r}")
+        self.image = None if image is None else container.check_image(image)
+        if self.image is not None:
+            container.ensure_charliecloud()
         self.workdir = Path(workdir)
         self.limits, self.isolation = limits, isolation
         self.hide_paths = tuple(hide_paths)
@@ -262,14 +278,21 @@ class Sandbox:
 
     def argv(self, command: str, *, workdir: Path | None, seccomp_fd: int | None = None,
              env_extra: dict[str, str] | None = None) -> list[str]:
-        inner = self.limits.prlimit_argv() + ["bash", "-c", command]
+        env = dict(env_extra or {})
+        if self.image is None:
+            run = ["bash", "-c", command]
+        else:  # ch-run mounts the workdir from HOME: the command's HOME is set inside
+            run = container.run_argv(command, home=env.pop("HOME", SANDBOX_HOME))
+            env["USER"] = container.CONTAINER_USER
+        inner = self.limits.prlimit_argv() + run
         if self.isolation == "none":
             return inner
         outer = bwrap_argv(workdir, hide_paths=self.hide_paths, seccomp_fd=seccomp_fd,
-                           privileged=self.privileged)
-        for k, v in (env_extra or {}).items():
+                           privileged=self.privileged, image=self.image)
+        for k, v in env.items():
             outer += ["--setenv", k, v]
-        return outer + (drop_argv(self.uid) if self.privileged else []) + inner
+        drop = drop_argv(self.uid, userns=self.image is None) if self.privileged else []
+        return outer + drop + inner
 
     async def run(self, command: str, *, env_extra: dict[str, str] | None = None,
                   pass_fds: tuple[int, ...] = ()) -> CommandResult:

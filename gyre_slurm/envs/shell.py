@@ -8,7 +8,10 @@ A task is a folder (built-ins under `gyre_slurm/envs/tasks/`; or `tasks_dir=`):
   (replacing whatever the agent put there), with `gyre_runner.py` (see
   `tasks/gyre_runner.py`) beside it, so `python3 .gyre_tests/gyre_runner.py` runs them;
 - `solution.sh` (optional, never shown to the agent): a reference solution, used by
-  the tests to check that every task is solvable.
+  the tests to check that every task is solvable;
+- `image` (optional, in the task file): a container image folder (relative to the
+  task's) that every command and the tests run in, in the same sandbox with the same
+  limits (`gyre_slurm.envs.container`: Charliecloud's ch-run).
 
 Task ids are "shell/<task name>/<seed>" (`tasks_for_step` draws the names; the seed
 does not change a task). `reset` makes the working directory `<base_dir>/<name>-XXXX`
@@ -100,6 +103,7 @@ class ShellTask:
     instruction: str
     test_command: str
     tests: tuple[str, ...]
+    image: Path | None = None  # a container image its commands and tests run in
 
 
 def load_task(root: Path) -> ShellTask:
@@ -112,9 +116,10 @@ def load_task(root: Path) -> ShellTask:
     else:
         raise UserError(f"shell task {root}: no task.yaml or task.json")
     keys = {"instruction", "test_command", "tests"}
-    if not isinstance(data, dict) or set(data) != keys:
-        raise UserError(f"shell task {root}: the task file must have exactly the keys "
-                        f"{sorted(keys)}, got {sorted(data) if isinstance(data, dict) else data!r}")
+    if not isinstance(data, dict) or not keys <= set(data) <= keys | {"image"}:
+        raise UserError(f"shell task {root}: the task file must have the keys "
+                        f"{sorted(keys)} (and optionally image), got "
+                        f"{sorted(data) if isinstance(data, dict) else data!r}")
     tests = data["tests"]
     if (not isinstance(tests, list) or not tests or len(set(tests)) != len(tests)
             or not all(isinstance(t, str) and re.fullmatch(r"[^\s:]+", t) for t in tests)):
@@ -122,8 +127,13 @@ def load_task(root: Path) -> ShellTask:
                         f"names without spaces or colons, got {tests!r}")
     if not (root / "tests").is_dir():
         raise UserError(f"shell task {root}: no tests/ folder")
+    image = data.get("image")
+    if image is not None and not (isinstance(image, str) and image.strip()):
+        raise UserError(f"shell task {root}: `image` must be a path (a container image "
+                        f"folder, relative to the task's), got {image!r}")
     return ShellTask(name=root.name, root=root, instruction=str(data["instruction"]).strip(),
-                     test_command=str(data["test_command"]), tests=tuple(tests))
+                     test_command=str(data["test_command"]), tests=tuple(tests),
+                     image=None if image is None else (root / image).resolve())
 
 
 def task_names(tasks_dir: Path | str | None = None) -> list[str]:
@@ -204,7 +214,7 @@ class ShellEnv:
                             symlinks=True)
         _chown_tree(self.workdir, self.uid if self.isolation == "bwrap" else os.geteuid())
         self._sandbox = Sandbox(self.workdir, limits=self.limits, isolation=self.isolation,
-                                sandbox_uid=self.uid,
+                                sandbox_uid=self.uid, image=self._task.image,
                                 hide_paths=(str(base.resolve()), str(self.tasks_dir.resolve())))
         self._steps, self._done = 0, False
         return (f"{self._task.instruction}\n\nThe task files are in the current directory. "
