@@ -22,7 +22,7 @@ def test_gpu_check_runs_every_check_on_cpu(megatron_python, tmp_path):
 
     rows = {r["check"]: r for r in json.loads((tmp_path / "table.json").read_text())}
     assert rows["device"]["result"] == "SKIP"  # no GPU here
-    for name in ("nccl", "torch", "bf16", "losses", "megatron"):
+    for name in ("nccl", "torch", "bf16", "losses", "megatron", "tree"):
         assert rows[name]["result"] == "PASS", rows[name]
     assert "| megatron | PASS |" in proc.stdout
 

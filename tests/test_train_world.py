@@ -170,3 +170,33 @@ def test_fresh_member_from_published_weights_and_checkpoint(workers, store, tmp_
     c.on([2], "train_microbatch", mb=mb, num_step_tokens=n_tokens(mb))
     step = c.on([2], "optimizer_step")[2]
     assert step["version"] == source["version"] + 1 and step["grad_norm"] > 0
+
+
+def test_tree_and_rows_packing_take_the_same_step(workers, store, tmp_path):
+    """A data-parallel world of 2 trains branchy runs (shared prefixes) tree-packed, whole
+    runs per rank, and again as rows from the same state: the same step, with fewer
+    tokens computed and no padding."""
+    from gyre_slurm.traj.treepack import tree_tokens
+
+    c = Cluster(workers, store)
+    c.on(range(4), "leave")
+    c.build([([0, 1], 0)])
+    c.on([0], "save_checkpoint", path=tmp_path / "start.pt")
+    mb = batch_helpers.branchy_micro_batch(8, VOCAB, runs=5, branches=3)
+    n = n_tokens(mb)
+    out = {}
+    for packing in ("tree", "rows"):
+        c.on([0, 1], "load_checkpoint", path=tmp_path / "start.pt")
+        stats = c.on([0, 1], "train_microbatch", mb=mb, num_step_tokens=n, packing=packing)
+        step = c.on([0, 1], "optimizer_step")[0]
+        out[packing] = (stats, step, c.on([0], "flat_params")[0])
+        assert sum(s["trajectories"] for s in stats.values()) == len(mb)
+        assert sum(s["tokens"] for s in stats.values()) == n
+    (tree, tree_step, tree_params), (rows, rows_step, rows_params) = out["tree"], out["rows"]
+    assert sum(s["fed_tokens"] for s in tree.values()) == tree_tokens(mb)
+    assert sum(s["pad_tokens"] for s in tree.values()) == 0
+    rows_fed = sum(s["fed_tokens"] for s in rows.values())
+    assert rows_fed - sum(s["pad_tokens"] for s in rows.values()) == sum(
+        len(t["token_ids"]) for t in mb) > tree_tokens(mb)
+    assert tree_step["grad_norm"] == pytest.approx(rows_step["grad_norm"], rel=1e-5)
+    np.testing.assert_allclose(tree_params, rows_params, rtol=1e-5, atol=1e-6)

@@ -20,6 +20,11 @@ Checks, each timed, each a row of the table printed at the end:
               the HF checkpoint give transformers' log-probs, steps train, a
               dist_checkpointing save/load round trip keeps the loss, the export reloads
               (skipped with a reason when megatron-core is not importable)
+  tree        tree packing's GPU kernel: compiled FlexAttention with the tree block mask
+              against SDPA run by run (the CPU path), forward and backward, on branchy
+              runs; the torch trainer's tree-packed gradient against rows; Megatron's
+              tree-packed loss against rows (when importable); and the kernels' times
+              on a larger batch (docs/tree-training.md)
 Exit status: 0 when no check failed (a skip is not a failure), 1 otherwise.
 """
 
@@ -80,6 +85,35 @@ def micro_batch(seed: int, n: int = 8, vocab: int = VOCAB):
                     "logprobs": [float(-math.log(vocab) + rng.normal(scale=0.3)) if m else 0.0
                                  for m in mask],
                     "advantage": float(rng.normal())})
+    return out
+
+
+def branchy_batch(seed: int, *, runs: int = 4, branches: int = 4, vocab: int = VOCAB,
+                  base: int = 40):
+    """Runs whose trajectories share prefixes (a prompt, then branches leaving an earlier
+    branch at a random point), each trained token in one trajectory only."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for r in range(runs):
+        paths = []
+        for j in range(branches):
+            if j == 0:
+                ids = rng.integers(0, vocab, base + int(rng.integers(0, base))).tolist()
+                mask = [0] * 4 + [1] * (len(ids) - 4)
+            else:
+                src = paths[int(rng.integers(0, j))]
+                cut = int(rng.integers(4, len(src)))
+                new = rng.integers(0, vocab, int(rng.integers(4, base))).tolist()
+                new[0] = (src[cut] + 1) % vocab if cut < len(src) and new[0] == src[cut] \
+                    else new[0]
+                ids, mask = src[:cut] + new, [0] * cut + [1] * len(new)
+            paths.append(ids)
+            out.append({"run_id": f"t{seed}-{r}", "token_ids": ids, "loss_mask": mask,
+                        "logprobs": [float(-math.log(vocab) + rng.normal(scale=0.3)) if m
+                                     else 0.0 for m in mask],
+                        "advantage": float(rng.normal())})
     return out
 
 
@@ -290,13 +324,99 @@ def check_megatron(args, store_port, gens, model_dir: Path, work: Path):
             f"loss across the checkpoint {loss_before:.6f} -> {loss_after:.6f}")
 
 
+def _kernel_parity(device, *, dtype, runs: int, base: int, heads=4, kv_heads=2, dim=32):
+    """Flex vs SDPA run by run on the same tree batch: max |diff| of the output and of
+    the q/k/v gradients, and the median seconds of forward + backward of each."""
+    import torch
+
+    from gyre_slurm.train.tree import to_inputs, tree_attention
+    from gyre_slurm.traj.treepack import pack_trees
+
+    tree = to_inputs(pack_trees(branchy_batch(3, runs=runs, base=base)), device)
+    n = tree.num_tokens
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    qkv = [torch.randn(1, h, n, dim, generator=gen).to(device, dtype).requires_grad_()
+           for h in (heads, kv_heads, kv_heads)]
+    out, grads, times = {}, {}, {}
+    for kernel in ("flex", "paths"):
+        runs_s = []
+        for _ in range(4):
+            for x in qkv:
+                x.grad = None
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            y = tree_attention(*qkv, tree, kernel=kernel)
+            y.float().square().sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            runs_s.append(time.perf_counter() - t0)
+        out[kernel], grads[kernel] = y.detach(), [x.grad.clone() for x in qkv]
+        times[kernel] = statistics.median(runs_s[1:])  # the first compiles
+    diff = max([float((out["flex"] - out["paths"]).abs().max())]
+               + [float((a - b).abs().max()) for a, b in zip(grads["flex"], grads["paths"])])
+    return n, diff, times
+
+
+@check("tree")
+def check_tree(args, store_port, gens, model_dir: Path, work: Path):
+    import torch
+
+    from gyre_slurm.train import dist as gdist
+    from gyre_slurm.train.worker import TrainerWorker
+    from gyre_slurm.traj.treepack import tree_tokens
+
+    kernels = "FlexAttention: CUDA only (no backward on CPU)"
+    if args.backend == "nccl":
+        device = torch.device("cuda")
+        n_small, diff, _ = _kernel_parity(device, dtype=torch.float32, runs=4, base=40)
+        if diff > 1e-4:
+            raise AssertionError(f"flex vs sdpa differ by {diff:.2e} ({n_small} tokens)")
+        n_big, diff_big, t = _kernel_parity(device, dtype=torch.bfloat16, runs=8, base=1500)
+        kernels = (f"flex vs sdpa (fp32, {n_small} tokens) max |diff| {diff:.1e} incl. "
+                   f"gradients; bf16 {n_big} tokens fwd+bwd: flex {t['flex'] * 1e3:.1f} ms, "
+                   f"sdpa path by path {t['paths'] * 1e3:.1f} ms (diff {diff_big:.1e})")
+    mb = branchy_batch(11)
+    n = n_tokens(mb)
+    w = TrainerWorker(model_dir=model_dir, node_index=0, lr=1e-3, seed=0)
+    w.join(gdist.WorldSpec(next(gens), 1, "127.0.0.1", store_port, backend=args.backend), 0,
+           src_rank=0, init_weights=work / "v0")
+    grads = {}
+    for packing in ("tree", "rows"):
+        stats = w.train_microbatch(mb, num_step_tokens=n, packing=packing)
+        grads[packing] = w._grads.clone()
+        w._grads.zero_()
+    w.leave()
+    gdiff = float((grads["tree"] - grads["rows"]).abs().max() / grads["rows"].abs().max())
+    if gdiff > 1e-4 or stats["tokens"] != n:
+        raise AssertionError(f"torch trainer: tree vs rows gradient differs by {gdiff:.2e}")
+    meg = "megatron not importable"
+    try:
+        from gyre_slurm.train.megatron.worker import MegatronWorker
+    except ImportError:
+        MegatronWorker = None
+    if MegatronWorker is not None:
+        m = MegatronWorker(model_dir=model_dir, node_index=0, lr=1e-3, seed=0)
+        m.join(gdist.WorldSpec(next(gens), 1, "127.0.0.1", store_port, backend=args.backend),
+               0, src_rank=0, init_weights=work / "v0")
+        lt, lr = (m.eval_loss(mb, num_step_tokens=n, packing=p) for p in ("tree", "rows"))
+        m.train_microbatch(mb, num_step_tokens=n, packing="tree")
+        m.leave()
+        if abs(lt - lr) > 1e-4 * max(1.0, abs(lr)):
+            raise AssertionError(f"megatron: tree loss {lt} vs rows {lr}")
+        meg = f"megatron tree loss {lt:.6f} = rows {lr:.6f}"
+    return (f"{kernels}; torch trainer ({w.device}) tree vs rows gradient rel diff "
+            f"{gdiff:.1e} ({tree_tokens(mb)} vs {sum(len(t['token_ids']) for t in mb)} tokens "
+            f"computed); {meg}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--allow-cpu", action="store_true",
                    help="without a GPU, run the same checks on CPU with gloo")
     p.add_argument("--rebuilds", type=int, default=20)
-    p.add_argument("--skip", nargs="*", default=[], choices=["torch", "bf16", "losses", "megatron",
-                                                           "nccl"])
+    p.add_argument("--skip", nargs="*", default=[],
+                   choices=["torch", "bf16", "losses", "megatron", "nccl", "tree"])
     p.add_argument("--json", type=Path, help="also write the table here")
     args = p.parse_args(argv)
     import torch
@@ -332,6 +452,8 @@ def main(argv=None) -> int:
             check_losses(args, port, gens, model_dir, work)
         if "megatron" not in args.skip:
             check_megatron(args, port, gens, model_dir, work)
+        if "tree" not in args.skip:
+            check_tree(args, port, gens, model_dir, work)
     del store
     width = max(len(r[0]) for r in ROWS)
     print("\n| check | result | figures |\n|---|---|---|")

@@ -91,14 +91,16 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return [int(i) for i in ids]
 
 
-def new_model(model_dir: str | Path, *, seed: int = 0):
-    """A freshly initialised model from the directory's config (deterministic for a seed)."""
+def new_model(model_dir: str | Path, *, seed: int = 0, attn_implementation: str | None = None):
+    """A freshly initialised model from the directory's config (deterministic for a seed);
+    `attn_implementation`: a transformers attention implementation (None: its default)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(model_dir))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_config(config, **extra)
     return model.float()
 
 

@@ -15,7 +15,7 @@ answer `{"id": N, "result": {...}}` or `{"id": N, "error": "Type: message",
 issued in the same order on every rank). The node agent's methods: join (args: spec
 {generation, world_size, store_host, store_port, backend}, rank, src_rank,
 init_weights, checkpoint), flush, leave, train_mb (args: path of a micro-batch JSON
-file, num_step_tokens), step (publish_dir, num_step_tokens), save (path), digests,
+file, num_step_tokens, packing), step (publish_dir, num_step_tokens), save (path), digests,
 ping; any other name calls the worker's method of that name with `args` as keyword
 arguments (a `spec` dict becomes a WorldSpec, `path`, `init_weights`, `checkpoint`,
 `publish_dir` become paths): the tests drive `eval_loss`, `token_logprobs`, ... so. stdout carries only answers (anything else printed
@@ -100,7 +100,8 @@ def dispatch(worker, method: str, a: dict):
         return worker.leave() or {}
     if method == "train_mb":
         mb = json.loads(Path(a["path"]).read_text())
-        return worker.train_microbatch(mb, num_step_tokens=a["num_step_tokens"])
+        return worker.train_microbatch(mb, num_step_tokens=a["num_step_tokens"],
+                                       packing=a.get("packing", "tree"))
     if method == "step":
         return worker.optimizer_step(publish_dir=_path(a.get("publish_dir")),
                                      num_step_tokens=a.get("num_step_tokens"))

@@ -18,8 +18,9 @@ places a world changes):
 
 Invariant: within a world all members hold bit-identical parameters and optimizer
 state; the sum over members of their local gradients is the gradient accumulated since
-the last optimizer step. `train_microbatch` adds this rank's shard (trajectories i with
-i % world_size == rank) without communicating; `optimizer_step` all-reduces (sum),
+the last optimizer step. `train_microbatch` adds this rank's shard (whole runs, tree
+packed; or with rows packing, trajectories i with i % world_size == rank) without
+communicating; `optimizer_step` all-reduces (sum),
 clips, steps AdamW and zeroes. The loss is normalised by the step's global token count
 (see `loss`), so sums are exact, never averages.
 
@@ -46,7 +47,9 @@ from gyre_slurm.train import dist as gdist
 from gyre_slurm.train.dist import WorldSpec
 from gyre_slurm.train.loss import LossSettings, rows_from_trajectories
 from gyre_slurm.train.signals import loss_and_signals
+from gyre_slurm.train.tree import register_hf_attention, to_inputs, tree_loss_and_signals
 from gyre_slurm.train.wsync.endpoint import StreamSender
+from gyre_slurm.traj import treepack
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +97,8 @@ class TrainerWorker(StreamSender):
         on_gpu = torch.cuda.is_available() and backend in (None, "nccl")
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu \
             else torch.device("cpu")
-        model = new_model(self.model_dir, seed=self.seed)
+        model = new_model(self.model_dir, seed=self.seed,
+                          attn_implementation=register_hf_attention())
         if init_weights is not None:
             load_weights(model, init_weights)
         self.model = model.to(self.device).train()
@@ -204,24 +208,47 @@ class TrainerWorker(StreamSender):
 
     # ---- training ---------------------------------------------------------------------
 
-    def train_microbatch(self, mb: list, *, num_step_tokens: int) -> dict[str, Any]:
+    def train_microbatch(self, mb: list, *, num_step_tokens: int,
+                         packing: str = "tree") -> dict[str, Any]:
         """Forward/backward this rank's shard of the micro-batch; gradients accumulate.
-        Returns the shard's sums (`gyre_slurm.train.signals`) and its trajectory count."""
-        rank = self.rank or 0
-        shard = [t.to_json() if hasattr(t, "to_json") else t
-                 for t in mb[rank::self.world_size]]
+
+        `packing` "tree": whole runs per rank, each run's prefix tree fed once with the
+        tree attention mask (`gyre_slurm.train.tree`); "rows": every world_size-th
+        trajectory, right-padded rows. Returns the shard's sums
+        (`gyre_slurm.train.signals`), its trajectory count and the positions it computed
+        (`fed_tokens`, of which `pad_tokens` padding)."""
+        trajs = [t.to_json() if hasattr(t, "to_json") else t for t in mb]
+        shard = treepack.shard(trajs, rank=self.rank or 0, world_size=self.world_size,
+                               packing=packing)
         if not shard:
-            return {"trajectories": 0, "tokens": 0}
-        pad_id = self.model.config.pad_token_id or 0
-        rows = rows_from_trajectories(shard, pad_id=pad_id, device=self.device)
-        logits = self.model(input_ids=rows["token_ids"], use_cache=False).logits
-        loss, stats = loss_and_signals(logits, rows, settings=self.loss,
-                                       num_step_tokens=num_step_tokens,
-                                       trainer_version=self.version)
+            return {"trajectories": 0, "tokens": 0, "fed_tokens": 0, "pad_tokens": 0}
+        if packing == "tree":
+            loss, stats = self._tree_loss(shard, num_step_tokens)
+        else:
+            loss, stats = self._rows_loss(shard, num_step_tokens)
         loss.backward()
         if self._params[0].grad.data_ptr() != self._grads.data_ptr():
             raise RuntimeError("autograd replaced the flat gradient buffer")
         return {"trajectories": len(shard), **stats}
+
+    def _rows_loss(self, shard: list[dict], num_step_tokens: int):
+        rows = rows_from_trajectories(shard, pad_id=self.model.config.pad_token_id or 0,
+                                      device=self.device)
+        logits = self.model(input_ids=rows["token_ids"], use_cache=False).logits
+        loss, stats = loss_and_signals(logits, rows, settings=self.loss,
+                                       num_step_tokens=num_step_tokens,
+                                       trainer_version=self.version)
+        fed = rows["token_ids"].numel()
+        return loss, dict(stats, fed_tokens=fed,
+                          pad_tokens=fed - sum(len(t["token_ids"]) for t in shard))
+
+    def _tree_loss(self, shard: list[dict], num_step_tokens: int):
+        tree = to_inputs(treepack.pack_trees(shard), self.device)
+        logits = self.model(**tree.hf_inputs()).logits
+        loss, stats = tree_loss_and_signals(logits, tree, settings=self.loss,
+                                            num_step_tokens=num_step_tokens,
+                                            trainer_version=self.version)
+        return loss, dict(stats, fed_tokens=tree.num_tokens, pad_tokens=0)
 
     def optimizer_step(self, *, publish_dir: Path | None = None,
                        num_step_tokens: int | None = None) -> dict[str, Any]:

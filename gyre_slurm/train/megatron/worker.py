@@ -17,11 +17,15 @@ crosses the rebuild through a `dist_checkpointing` checkpoint, which reshards it
    data-parallel rank 0 (zero elsewhere): the sum over DP ranks stays the step's gradient.
 
 Rank layout (Megatron's "tp-cp-ep-dp-pp" order): rank = tp + TP * (dp + DP * pp).
-`train_microbatch` takes trajectories `mb[dp_rank::dp_size]`; every TP/PP rank of a
-data-parallel replica runs the same shard through `get_forward_backward_func()` (1F1B
-over the stages when PP > 1). Logits are gathered over TP (`parallel_output=False`) and
-the loss (`loss.kind`) and its signals are `gyre_slurm.train.signals.loss_and_signals`
-on the full, unpadded vocabulary, as in the torch backend. Gradients accumulate in one flat buffer per rank;
+`train_microbatch` takes this replica's shard (tree packing: whole runs,
+`treepack.assign_runs`; rows: trajectories `mb[dp_rank::dp_size]`); every TP/PP rank of
+a data-parallel replica runs the same shard through `get_forward_backward_func()` (1F1B
+over the stages when PP > 1). Tree-packed sequences go through `GPTModel` with the tree
+mask as the attention mask (`train/megatron/tree.py`: core attention, RoPE positions).
+Logits are gathered over TP (`parallel_output=False`) and the loss (`loss.kind`) and its
+signals are `gyre_slurm.train.signals.loss_and_signals` (tree: `train.tree`) on the
+full, unpadded vocabulary, as in the torch backend. Gradients accumulate in one flat
+buffer per rank;
 `optimizer_step` sums it over DP, divides by `num_step_tokens` if given, clips by the
 global norm (TP-duplicated parameters counted once, all stages) and steps a plain torch
 AdamW over this rank's parameters.
@@ -53,11 +57,14 @@ import torch.distributed as dist
 from gyre_slurm.models import tiny
 from gyre_slurm.train import dist as gdist
 from gyre_slurm.train.dist import WorldSpec
-from gyre_slurm.train.loss import LossSettings, rows_from_trajectories, token_logprobs
+from gyre_slurm.train.loss import LossSettings, token_logprobs
 from gyre_slurm.train.metrics import merge_all
 from gyre_slurm.train.signals import loss_and_signals
 from gyre_slurm.train.megatron import convert
 from gyre_slurm.train.megatron.convert import ModelShape
+from gyre_slurm.train.megatron.tree import schedule_batches
+from gyre_slurm.train.tree import tree_loss_and_signals
+from gyre_slurm.traj import treepack
 from gyre_slurm.train.worker import flat_grads_and_adamw
 from gyre_slurm.train.wsync.endpoint import StreamSender
 
@@ -135,7 +142,7 @@ class MegatronWorker(StreamSender):
         from megatron.core.transformer import TransformerConfig
 
         s = self.shape
-        return TransformerConfig(
+        config = TransformerConfig(
             num_layers=s.num_layers, hidden_size=s.hidden_size,
             num_attention_heads=s.num_heads, num_query_groups=s.num_kv_heads,
             kv_channels=s.head_dim, ffn_hidden_size=s.ffn_hidden_size,
@@ -150,21 +157,30 @@ class MegatronWorker(StreamSender):
             gradient_accumulation_fusion=False, cross_entropy_loss_fusion=False,
             params_dtype=torch.float32, pipeline_dtype=torch.float32,
             attention_softmax_in_fp32=True, calculate_per_token_loss=True)
+        # Tree-packed micro-batches differ in length: the pipeline stages exchange shapes.
+        # Set after construction: the config refuses it whenever the MoE dispatcher is
+        # "allgather", its default even for dense models, where no dispatcher runs.
+        config.variable_seq_lengths = self.pp > 1
+        return config
 
     def _build(self) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+        from gyre_slurm.train.megatron.tree import TreePositions, with_tree_attention
+
         s = self.shape
         model = GPTModel(
             config=self._transformer_config(),
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            transformer_layer_spec=with_tree_attention(
+                get_gpt_layer_local_spec(normalization="RMSNorm")),
             vocab_size=s.padded_vocab_size, max_sequence_length=s.max_positions,
             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
             parallel_output=False, share_embeddings_and_output_weights=False,
             position_embedding_type="rope", rotary_base=int(s.rope_theta))
         self.model = model.to(self.device).train()
+        self._positions = TreePositions(self.model)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._grads, self.optimizer = flat_grads_and_adamw(self._params, lr=self.lr)
 
@@ -267,24 +283,21 @@ class MegatronWorker(StreamSender):
 
     # ---- forward / backward -----------------------------------------------------------
 
-    def _batches(self, rows: dict[str, torch.Tensor]) -> tuple[list[dict], int]:
-        """Megatron micro-batches of the rows: one row each when pipelining, else one."""
-        n = rows["token_ids"].shape[0]
-        size = 1 if self.pp > 1 else n
-        batches = [{k: v[i:i + size] for k, v in rows.items()} for i in range(0, n, size)]
-        return batches, size
-
-    def _run(self, rows: dict[str, torch.Tensor], *, num_step_tokens: int,
-             forward_only: bool, keep_logits: bool = False) -> list[dict]:
-        """Run the rows through the schedule; returns per-micro-batch results (last stage)."""
+    def _run(self, trajs: list, *, num_step_tokens: int, forward_only: bool,
+             packing: str = "tree", keep_logits: bool = False) -> list[dict]:
+        """Run the shard through the schedule; returns per-micro-batch results (last
+        stage): the loss's sums and signals, plus `fed_tokens` and `pad_tokens`."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        batches, size = self._batches(rows)
-        seq = rows["token_ids"].shape[1]
+        batches, seq, size = schedule_batches(
+            trajs, treepack.check_packing(packing), pipelined=self.pp > 1,
+            pad_id=self.shape.pad_token_id, device=self.device)
         vocab = self.shape.vocab_size
 
         def forward_step(data_iterator, model):
             b = next(data_iterator)
+            if "tree" in b:
+                return self._tree_step(b["tree"], model, num_step_tokens)
             tokens = b["token_ids"]
             pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
             output = model(tokens, pos, attention_mask=None)
@@ -294,6 +307,7 @@ class MegatronWorker(StreamSender):
                 loss, s = loss_and_signals(logits, b, settings=self.loss,
                                            num_step_tokens=num_step_tokens,
                                            trainer_version=self.version)
+                s.update(fed_tokens=b["fed"], pad_tokens=b["pad"])
                 if keep_logits:
                     s["logprobs"] = token_logprobs(logits.detach(), tokens)
                 return loss, torch.tensor(s["tokens"], dtype=torch.int), s
@@ -307,26 +321,41 @@ class MegatronWorker(StreamSender):
             forward_only=forward_only)
         return list(out or [])
 
-    def _rows(self, trajs: list) -> dict[str, torch.Tensor]:
-        trajs = [t.to_json() if hasattr(t, "to_json") else t for t in trajs]
-        return rows_from_trajectories(trajs, pad_id=self.shape.pad_token_id,
-                                      device=self.device)
+    def _tree_step(self, tree, model, num_step_tokens: int):
+        """One tree-packed sequence through this stage (RoPE at the tokens' depths, the
+        tree mask as the attention mask); the loss on the last stage."""
+        vocab = self.shape.vocab_size
+        with self._positions.use(tree.position_ids):
+            output = model(tree.token_ids, tree.position_ids, attention_mask=tree)
 
-    def _shard(self, mb: list) -> list:
+        def loss_func(logits):
+            loss, s = tree_loss_and_signals(logits[..., :vocab].float(), tree,
+                                            settings=self.loss,
+                                            num_step_tokens=num_step_tokens,
+                                            trainer_version=self.version)
+            s.update(fed_tokens=tree.num_tokens, pad_tokens=0)
+            return loss, torch.tensor(s["tokens"], dtype=torch.int), s
+
+        return output, loss_func
+
+    def _shard(self, mb: list, packing: str = "tree") -> list:
         from megatron.core import parallel_state as ps
 
-        return list(mb[ps.get_data_parallel_rank()::ps.get_data_parallel_world_size()])
+        return treepack.shard(list(mb), rank=ps.get_data_parallel_rank(),
+                              world_size=ps.get_data_parallel_world_size(), packing=packing)
 
-    def train_microbatch(self, mb: list, *, num_step_tokens: int) -> dict[str, Any]:
-        """Forward/backward this data-parallel replica's shard; gradients accumulate.
-        The reporter returns the shard's sums (`gyre_slurm.train.signals`), the other
+    def train_microbatch(self, mb: list, *, num_step_tokens: int,
+                         packing: str = "tree") -> dict[str, Any]:
+        """Forward/backward this data-parallel replica's shard (`packing` as in
+        `TrainerWorker.train_microbatch`); gradients accumulate. The reporter returns the
+        shard's sums (`gyre_slurm.train.signals`, `fed_tokens`, `pad_tokens`), the other
         ranks {"trajectories": 0, "tokens": 0}."""
-        shard = self._shard(mb)
+        shard = self._shard(mb, packing)
         reporter = self._is_reporter()
         if not shard:
             return {"trajectories": 0, "tokens": 0}
-        results = self._run(self._rows(shard), num_step_tokens=num_step_tokens,
-                            forward_only=False)
+        results = self._run(shard, num_step_tokens=num_step_tokens, forward_only=False,
+                            packing=packing)
         if self._params and self._params[0].grad.data_ptr() != self._grads.data_ptr():
             raise RuntimeError("autograd replaced the flat gradient buffer")
         if not reporter:
@@ -338,14 +367,14 @@ class MegatronWorker(StreamSender):
             dist.all_reduce(value)
         return value
 
-    def eval_loss(self, mb: list, *, num_step_tokens: int) -> float:
+    def eval_loss(self, mb: list, *, num_step_tokens: int, packing: str = "tree") -> float:
         """The micro-batch's global loss (all DP shards), forward only; same on every rank."""
-        shard = self._shard(mb)
+        shard = self._shard(mb, packing)
         total = torch.zeros(1, dtype=torch.float64)
         if shard:
             with torch.no_grad():
-                results = self._run(self._rows(shard), num_step_tokens=num_step_tokens,
-                                    forward_only=True)
+                results = self._run(shard, num_step_tokens=num_step_tokens,
+                                    forward_only=True, packing=packing)
             if self._is_reporter():
                 total += sum(r["loss_sum"] for r in results) / num_step_tokens
         return float(self._sum_over_world(total).item())
@@ -359,8 +388,8 @@ class MegatronWorker(StreamSender):
         traj = {"token_ids": list(token_ids), "loss_mask": [0] * n, "logprobs": [0.0] * n,
                 "advantage": 0.0}
         with torch.no_grad():
-            results = self._run(self._rows([traj]), num_step_tokens=1, forward_only=True,
-                                keep_logits=True)
+            results = self._run([traj], num_step_tokens=1, forward_only=True,
+                                packing="rows", keep_logits=True)
         out = torch.zeros(n, dtype=torch.float64)
         if self._is_reporter() and ps.get_data_parallel_rank() == 0:
             out += results[0]["logprobs"][0].double().cpu()
