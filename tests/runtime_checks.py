@@ -99,9 +99,37 @@ def check_metrics(run_dir: Path, events: list[dict], *, num_steps: int) -> None:
             assert abs(s.value - m[tag]) <= 1e-6 * max(1.0, abs(m[tag])), (tag, s, m[tag])
 
 
+def check_packing(run_dir: Path, events: list[dict]) -> None:
+    """Every micro-batch computed what its packing says (config.yaml's
+    training.packing): tree, each run's prefix tree once (its tree tokens, no padding),
+    a run never split across micro-batches; rows, every trajectory whole."""
+    import yaml
+
+    from gyre_slurm.traj.treepack import tree_tokens
+
+    packing = (yaml.safe_load((run_dir / "config.yaml").read_text()).get("training") or {}
+               ).get("packing", "tree")
+    seen_runs: dict[str, tuple[int, int]] = {}
+    for e in events:
+        if e["kind"] != "microbatch":
+            continue
+        batch = json.loads((run_dir / "stream" /
+                            f"step{e['step']:06d}_mb{e['index']:05d}.json").read_text())
+        rows = sum(len(t["token_ids"]) for t in batch)
+        fed, pad = e["stats"]["fed_tokens"], e["stats"]["pad_tokens"]
+        if packing == "tree":
+            assert (fed, pad) == (tree_tokens(batch), 0), e
+            for rid in {t["run_id"] for t in batch}:  # whole runs: one micro-batch each
+                assert seen_runs.setdefault(rid, (e["step"], e["index"])) == (
+                    e["step"], e["index"]), (rid, e)
+        else:
+            assert fed - pad == rows, e
+
+
 def check_run_dir(run_dir: Path, *, num_steps: int) -> list[dict]:
     check_runs_trained_once(run_dir)
     events = list(read_jsonl(run_dir / "events.jsonl"))
+    check_packing(run_dir, events)
     check_steps_in_order(events, num_steps=num_steps)
     check_metrics(run_dir, events, num_steps=num_steps)
     status = json.loads((run_dir / "status.json").read_text())

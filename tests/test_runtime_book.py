@@ -72,6 +72,24 @@ def test_a_microbatch_holds_at_least_one_trajectory():
     assert len(b.next_microbatch(max_tokens=10)) == 1
 
 
+def test_tree_packing_hands_out_whole_runs_by_their_tree_tokens():
+    """Tree packing: a run's trajectories stay together and cost their prefix tree's
+    tokens (a shared prefix once); rows: trajectory by trajectory, each its length."""
+    b = book(prompts_per_step=3, group_size=1)
+    shared = [5, 6, 7, 8, 9, 10, 11, 12]
+    for p in range(3):
+        rid = run_id_of(0, p, 0)
+        b.start(rid)
+        trajs = [{"run_id": rid, "token_ids": shared + [20 + i], "loss_mask": [0] * 8 + [1],
+                  "logprobs": [0.0] * 8 + [-1.0]} for i in range(3)]  # 11 tree, 27 rows
+        b.finish(rid, status="ok", reward=float(p), trajectories=trajs)
+    batches = []
+    while batch := b.next_microbatch(max_tokens=22, packing="tree"):
+        batches.append([t["run_id"] for t in batch])
+    assert batches == [[run_id_of(0, 0, 0)] * 3 + [run_id_of(0, 1, 0)] * 3,
+                       [run_id_of(0, 2, 0)] * 3]
+
+
 def test_restart_gives_an_interrupted_run_a_new_attempt():
     b = book()
     rid = run_id_of(1, 0, 1)

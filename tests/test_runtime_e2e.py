@@ -46,7 +46,9 @@ def test_each_mode_completes_with_nothing_lost_or_repeated(tmp_path, policy):
     run_dir = tmp_path / policy
     # async trains with truncated IS capped at 1: the loss setting must reach the ranks
     loss = ["loss.kind=tis", "loss.is_cap=1.0"] if policy == "async" else []
-    proc = gyre_run(run_dir, *FAST, f"scheduler.policy={policy}", *loss)
+    # tree packing is the default; colocate keeps rows packing in use end to end
+    packing = ["training.packing=rows"] if policy == "colocate" else []
+    proc = gyre_run(run_dir, *FAST, f"scheduler.policy={policy}", *loss, *packing)
     assert proc.returncode == 0, proc.stderr[-4000:]
     events = check_run_dir(run_dir, num_steps=3)
     handoffs = [e for e in events if e["kind"] == "handoff"]

@@ -266,11 +266,12 @@ class NodeAgent:
     async def cmd_leave(self) -> dict:
         return _merge(await self._train("leave", {}), how=max)
 
-    async def cmd_train_mb(self, *, path: str, num_step_tokens: int) -> dict:
+    async def cmd_train_mb(self, *, path: str, num_step_tokens: int,
+                           packing: str = "tree") -> dict:
         """The local ranks' sums, merged (`gyre_slurm.train.metrics.merge`)."""
         from gyre_slurm.train.metrics import merge_all
 
-        results = await self._train("train_mb", {"path": path,
+        results = await self._train("train_mb", {"path": path, "packing": packing,
                                                  "num_step_tokens": num_step_tokens})
         return merge_all(results)
 

@@ -30,6 +30,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from gyre_slurm.sched.ledger import WorkLedger
+from gyre_slurm.traj.treepack import tree_tokens
 
 Microbatch = tuple[int, list[dict]]  # (index in the step's stream, its trajectories)
 
@@ -164,21 +165,31 @@ class StepBook:
         return ready
 
     # -- training side ---------------------------------------------------------------
-    def next_microbatch(self, *, max_tokens: int) -> list[dict]:
+    def next_microbatch(self, *, max_tokens: int, packing: str = "rows") -> list[dict]:
         """Ready trajectories of the step being trained, in arrival order, up to a budget
-        (at least one)."""
+        of tokens computed (at least one). Rows: trajectory by trajectory, each its
+        length. Tree: whole runs (a run's trajectories arrive together), each its
+        tree's tokens (`treepack.tree_tokens`), so a run's shared prefixes are computed
+        once."""
         if self.version >= self.num_steps:
             return []
         state = self.steps[self.version]
         out, used = [], 0
         while state.ready:
-            size = len(state.ready[0]["token_ids"])
+            take = 1
+            if packing == "tree":
+                rid = state.ready[0]["run_id"]
+                while take < len(state.ready) and state.ready[take]["run_id"] == rid:
+                    take += 1
+                size = tree_tokens([state.ready[i] for i in range(take)])
+            else:
+                size = len(state.ready[0]["token_ids"])
             if out and used + size > max_tokens:
                 break
-            out.append(state.ready.popleft())
+            out.extend(state.ready.popleft() for _ in range(take))
             used += size
         state.handed_out += len(out)
-        self.work.hand_out(self.version, used)
+        self.work.hand_out(self.version, _tokens(out))  # the ledger counts trajectory tokens
         return out
 
     def next_redo(self) -> Microbatch | None:

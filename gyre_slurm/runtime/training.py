@@ -1,7 +1,8 @@
 """The training loop: streaming micro-batches, one optimizer step per batch.
 
 Each micro-batch is the next ready trajectories of the step being trained, in arrival
-order, up to `training.microbatch_tokens` (or, after a member was lost, the step's
+order, up to `training.microbatch_tokens` computed (tree packing: whole runs, each its
+prefix tree's tokens; or, after a member was lost, the step's
 micro-batches again: `StepBook.rewind_step`); it is written to its stream file and
 trained by the world's members. Once the step's every run has ended and every
 trajectory handed out is trained, the optimizer steps, the new weights are published
@@ -80,19 +81,22 @@ class TrainingLoop:
         if again is not None:
             index, batch = again
         else:
-            batch = book.next_microbatch(max_tokens=int(cfg.training.microbatch_tokens))
+            batch = book.next_microbatch(max_tokens=int(cfg.training.microbatch_tokens),
+                                         packing=cfg.training.packing)
             if not batch:
                 return False
             index = book.steps[step].handed_out
         t0 = time.monotonic()
         try:
-            stats = await world.train_microbatch(batch, self.job.rd.stream_file(step, index))
+            stats = await world.train_microbatch(batch, self.job.rd.stream_file(step, index),
+                                                 packing=cfg.training.packing)
         except CommandError as exc:
             raise MicrobatchFailed(exc, (index, batch)) from exc
         tokens = sum(len(t["token_ids"]) for t in batch)
         if cfg.trainer.pace:  # emulated accelerators: see TrainerConfig.pace
             pace = cfg.training.node_tokens_per_s
-            hold = tokens / (pace * len(world.members)) - (time.monotonic() - t0)
+            computed = stats.get("fed_tokens", tokens)  # positions the trainer computed
+            hold = computed / (pace * len(world.members)) - (time.monotonic() - t0)
             if hold > 0:
                 await asyncio.sleep(hold)
         dt = time.monotonic() - t0

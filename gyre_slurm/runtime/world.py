@@ -168,14 +168,16 @@ class TrainWorld:
         timings["restarted"] = True
         return timings
 
-    async def train_microbatch(self, batch: list[dict], path: Path) -> dict:
+    async def train_microbatch(self, batch: list[dict], path: Path, *,
+                               packing: str = "tree") -> dict:
         """Train a micro-batch on every member; their sums, merged exactly
         (`gyre_slurm.train.metrics.merge`: counts and sums add, maxima take the max)."""
         from gyre_slurm.train.metrics import merge_all
 
         write_json_atomic(path, batch)
         results = await self._all(self.members, "/cmd/train_mb",
-                                  {"path": str(path), "num_step_tokens": 1})
+                                  {"path": str(path), "num_step_tokens": 1,
+                                   "packing": packing})
         return merge_all(results)
 
     async def optimizer_step(self, *, publish_dir: Path, num_step_tokens: int) -> dict:
