@@ -16,7 +16,9 @@ def gyre():
     """Run the real `gyre` command (a subprocess, as a user would)."""
 
     def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        # wide: rich would wrap (or cut) lines at 140 columns, and the checks read whole
+        # lines wherever pytest's temp dir is (xdist's workers add popen-gwN/ to it)
+        env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="1000")
         proc = subprocess.run([sys.executable, "-m", "gyre_slurm", *args], env=env,
                               capture_output=True, text=True, timeout=600)
         if check and proc.returncode != 0:

@@ -41,14 +41,29 @@ def gyre_run(run_dir: Path, *extra: str, resume: bool = False, timeout_s: float 
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
+@pytest.fixture(scope="module")
+def mode_run(tmp_path_factory):
+    """A finished 3-step run of each policy, made once (checked by several tests)."""
+    runs: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
+
+    def get(policy: str) -> tuple[Path, subprocess.CompletedProcess]:
+        if policy not in runs:
+            run_dir = tmp_path_factory.mktemp("modes") / policy
+            # async trains with truncated IS capped at 1: the loss setting must reach
+            # the ranks (checked by check_tis_capped_at_one)
+            loss = ["loss.kind=tis", "loss.is_cap=1.0"] if policy == "async" else []
+            # tree packing is the default; colocate keeps rows packing in use end to end
+            packing = ["training.packing=rows"] if policy == "colocate" else []
+            runs[policy] = run_dir, gyre_run(run_dir, *FAST, f"scheduler.policy={policy}",
+                                             *loss, *packing)
+        return runs[policy]
+
+    return get
+
+
 @pytest.mark.parametrize("policy", ["elastic", "colocate", "async"])
-def test_each_mode_completes_with_nothing_lost_or_repeated(tmp_path, policy):
-    run_dir = tmp_path / policy
-    # async trains with truncated IS capped at 1: the loss setting must reach the ranks
-    loss = ["loss.kind=tis", "loss.is_cap=1.0"] if policy == "async" else []
-    # tree packing is the default; colocate keeps rows packing in use end to end
-    packing = ["training.packing=rows"] if policy == "colocate" else []
-    proc = gyre_run(run_dir, *FAST, f"scheduler.policy={policy}", *loss, *packing)
+def test_each_mode_completes_with_nothing_lost_or_repeated(mode_run, policy):
+    run_dir, proc = mode_run(policy)
     assert proc.returncode == 0, proc.stderr[-4000:]
     events = check_run_dir(run_dir, num_steps=3)
     handoffs = [e for e in events if e["kind"] == "handoff"]
@@ -168,14 +183,13 @@ def test_killed_and_resumed_run_loses_and_repeats_nothing(tmp_path, config):
     assert sorted(set(steps)) == list(range(5))
 
 
-def test_gyre_status_reads_a_run_dir(tmp_path, gyre):
-    run_dir = tmp_path / "st"
-    proc = gyre_run(run_dir, *FAST, "workload.num_steps=1")
+def test_gyre_status_reads_a_run_dir(mode_run, tmp_path, gyre):
+    run_dir, proc = mode_run("async")
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = gyre("status", str(run_dir), "--once").stdout
-    assert "version 1/1" in out and "cell 0 [node1]" in out
+    assert "version 3/3" in out and "cell 0 [node1]" in out
     data = json.loads(gyre("status", str(run_dir), "--json").stdout)
-    assert data["version"] == 1 and len(data["cells"]) == 4
+    assert data["version"] == 3 and len(data["cells"]) == 4
     missing = gyre("status", str(tmp_path / "nope"), check=False)
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     again = gyre("run", str(ROOT / "configs" / "tiny.yaml"), "--run-dir", str(run_dir), check=False)

