@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -65,14 +66,14 @@ def test_no_test_decides_a_skip_at_collection():
                        f"(decide in a fixture or the test instead): {found}")
 
 
-def _pytest(tmp_path: Path, *, ci: str | None, files=()) -> tuple[int, str]:
+def _pytest(tmp_path: Path, *, ci: str | None, files=(), extra=()) -> tuple[int, str]:
     env = {k: v for k, v in os.environ.items() if k != "CI"}
     if ci is not None:
         env["CI"] = ci
     env["PYTHONPATH"] = str(TESTS)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "skip_policy", "-p", "no:cacheprovider",
-         f"--rootdir={tmp_path}", "-q", "-rA", *(files or [str(tmp_path)])],
+         f"--rootdir={tmp_path}", "-q", "-rA", *extra, *(files or [str(tmp_path)])],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     return proc.returncode, proc.stdout + proc.stderr
 
@@ -90,3 +91,36 @@ def test_under_ci_every_skip_fails_the_run(tmp_path):
     for off in (None, "0", "false"):
         rc, out = _pytest(tmp_path, ci=off)
         assert rc == 0 and "1 passed, 3 skipped" in out, (off, out)
+
+
+def test_under_ci_a_skip_fails_on_xdist_workers_too(tmp_path):
+    """tools/test runs the suite on pytest-xdist workers: the hook runs in each worker."""
+    (tmp_path / "test_sample.py").write_text(SAMPLE)
+    rc, out = _pytest(tmp_path, ci="1", files=["test_sample.py"], extra=["-n", "2"])
+    assert rc == 1 and "1 failed, 1 passed, 1 error" in out, out
+    assert "no such tool here" in out and "decided at collection" in out, out
+
+
+def test_ci_passes_its_arguments_on_and_durations_are_printed():
+    """`.ci/run --durations=N` reaches pytest (it dropped its arguments: the lead's
+    --durations printed nothing), also with the suite's two workers."""
+    root = TESTS.parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["GYRE_TEST_WORKERS"] = "2"
+    # its own session, killed whole on timeout: were the arguments dropped again, this
+    # would be the whole suite
+    proc = subprocess.Popen(["bash", str(root / ".ci" / "run"), "tests/test_readme.py",
+                             "-q", "-p", "no:cacheprovider", "--durations=2"],
+                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(".ci/run tests/test_readme.py ran past 180 s: its arguments "
+                             "did not reach pytest?") from None
+    out = stdout + stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "slowest 2 durations" in out and "2 passed" in out, out[-4000:]
+    assert "bringing up nodes" in out, out[-4000:]  # xdist's workers ran it
