@@ -30,7 +30,8 @@ RUN = "s0000-p000-g00"
 
 
 class AddingModel:
-    """/generate: the sum the last question asks (one more when a 9 is in it)."""
+    """/generate: the sum the last question asks (one more when a 9 is in it; an empty
+    answer when both numbers are the same)."""
 
     def __init__(self, tok):
         self.tok, self.calls = tok, 0
@@ -40,7 +41,8 @@ class AddingModel:
         body = await request.json()
         self.calls += 1
         a, b = map(int, ASK.findall(self.tok.decode(body["prompt_ids"]))[-1])
-        ids = self.tok.encode(str(a + b + (9 in (a, b))), add_special_tokens=False)
+        answer = "" if a == b else str(a + b + (9 in (a, b)))  # 2 + 2: says nothing
+        ids = self.tok.encode(answer, add_special_tokens=False)
         ids = (ids + [self.end])[:body["max_tokens"]]
         return web.json_response({"output_ids": ids, "output_logprobs": [-0.1] * len(ids),
                                   "finish_reason": "stop", "policy_version": 0})
@@ -101,6 +103,20 @@ def test_a_multi_turn_rollout_is_one_chain_and_the_rubric_pays(model_dir, verifi
         assert b.prompt_ids.tolist()[:len(pa) + len(oa)] == pa + oa
     [trajectory] = process_run(deltas, max_per_run=5).trajectories
     assert int(trajectory.loss_mask.sum()) == sum(len(r.output_ids) for r in records)
+
+
+@pytest.mark.slow
+def test_an_empty_answer_ends_the_rollout_and_its_score_is_trained(model_dir,
+                                                                  verifiers_python, tmp_path):
+    """What the model wrote is the policy's outcome, not a failure: verifiers ends the
+    rollout at the empty answer (the 4th question, 2 + 2) and the rubric's score stands
+    (2 of 4 sums right, every answer in digits); all four calls are the run's."""
+    record, calls = drive(model_dir, tmp_path, verifiers_python, TaskSpec("verifiers/0", 0),
+                          env_args='{"turns": 4}')
+    assert record["status"] == "ok", record
+    assert "EmptyModelResponseError" in record["env_info"]["error"]
+    assert record["reward"] == pytest.approx(2 / 4 + 0.1)
+    assert calls == record["num_calls"] == 4
 
 
 @pytest.mark.slow

@@ -135,12 +135,13 @@ class VerifiersEnv:
             out: dict[str, Any] = json.loads(raw) if raw else {}
         except json.JSONDecodeError:
             out = {}
-        if code != 0 or not out or out.get("failed") or out.get("error"):
+        if code != 0 or not out or out.get("failed") or (out.get("error")
+                                                         and not out.get("policy_error")):
             tail = log_path.read_bytes()[-LOG_TAIL:].decode(errors="replace")
             raise RuntimeError(f"verifiers rollout failed (exit {code}): "
                                f"{out.get('error') or 'no result'}; log {log_path}: ...{tail}")
         info = {k: out.get(k) for k in ("metrics", "example_id", "stop_condition",
-                                        "is_truncated", "error")}
+                                        "is_truncated", "error")}  # error: the policy's
         return StepResult(observation="", reward=float(out["reward"]), done=True, info=info)
 
 

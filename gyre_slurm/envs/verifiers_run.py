@@ -16,8 +16,12 @@ its `env_response`, tools and stop conditions; every model call goes to the run'
 with the run's key, so the gateway records it as this run's calls) and scores it with
 the environment's rubric. It writes one JSON object to FD (never to stdout, which is
 the environment's log): {"reward", "metrics" (the rubric's, num_turns included),
-"example_id", "stop_condition", "is_truncated", "error"}. An environment whose rubric scores a whole
-group at once (group rewards) is refused: gyre's runs end one by one.
+"example_id", "stop_condition", "is_truncated", "error", "policy_error"}. An error that
+is the policy's own doing (an empty or unparsable answer, a malformed tool call: what
+the model wrote, `POLICY_ERRORS`) ends the rollout as verifiers does, and the rubric's
+score stands: the run is trained with it; any other error (the environment raised, a
+model call failed) fails the run. An environment whose rubric scores a whole group at
+once (group rewards) is refused: gyre's runs end one by one.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ import json
 import math
 import os
 import sys
+
+# verifiers' errors that say what the model wrote, not that something broke
+POLICY_ERRORS = ("InvalidModelResponseError", "EmptyModelResponseError", "ToolParseError")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -76,14 +83,17 @@ async def one_rollout(args: argparse.Namespace) -> dict:
     out = await env.run_rollout(row, client, args.model, sampling)
     reward = float(out.get("reward") or 0.0)
     error = out.get("error")
+    kind = error.get("error") if isinstance(error, dict) else None
+    if isinstance(error, dict):
+        error = f"{kind}: {error.get('message')}"
     return {"reward": reward if math.isfinite(reward) else 0.0,
             "metrics": {k: float(v) for k, v in (out.get("metrics") or {}).items()
                         if isinstance(v, (int, float))},
             "example_id": row["example_id"],
             "stop_condition": out.get("stop_condition"),
             "is_truncated": bool(out.get("is_truncated")),
-            "error": None if error is None else str(error.get("message", error)
-                                                      if isinstance(error, dict) else error)}
+            "error": None if error is None else str(error),
+            "policy_error": kind in POLICY_ERRORS}
 
 
 def main(argv: list[str] | None = None) -> int:
