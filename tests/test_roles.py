@@ -1,6 +1,8 @@
 """Which interpreter and container each role runs in (gyre_slurm.runtime.roles)."""
 
+import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +19,10 @@ def test_unset_python_is_gyres_own_and_a_path_must_exist():
 
 
 def test_an_unknown_role_env_says_which_roles_exist():
-    with pytest.raises(UserError, match=r"(?s)tools/role-env nosuch failed.*roles: megatron minisweagent vllm"):
+    envs = Path(__file__).resolve().parents[1] / "tools" / "envs"
+    names = " ".join(sorted(p.stem for p in envs.glob("*.txt")))
+    assert {"megatron", "vllm"} <= set(names.split())
+    with pytest.raises(UserError, match=r"(?s)tools/role-env nosuch failed.*roles: " + re.escape(names)):
         roles.resolve_python("env:nosuch", section="trainer")
 
 
