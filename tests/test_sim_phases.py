@@ -95,10 +95,22 @@ def test_a_trace_workload_takes_no_phase_sigma():
 
 
 @pytest.mark.parametrize("name", ["terminalbench-122b-growing", "deepswe-122b-curriculum"])
-def test_changing_demand_presets_change_demand(name):
+def test_changing_demand_presets_shift_the_balance(name):
+    # Rollout work per trained token changes by half or more between the first and the
+    # last steps: the split that suits one end does not suit the other.
     assert name in preset_names()
     cfg = load_config(preset_path(name))
     w = sample_workload(cfg)
-    first = w.work_s[w.batch < 4].mean()
-    last = w.work_s[w.batch >= w.num_steps - 4].mean()
-    assert last > 2.2 * first
+
+    def ratio(sel):
+        return w.work_s[sel].sum() / w.tokens[sel].sum()
+
+    first, last = ratio(w.batch < 4), ratio(w.batch >= w.num_steps - 4)
+    assert max(first, last) / min(first, last) > 1.5
+
+
+def test_tokens_may_grow_at_their_own_rate():
+    cfg = with_phases("[{from_step: 0, growth_per_step: 0.1, tokens_growth_per_step: 0.5}]")
+    shape = shape_at(cfg.workload.phases, 3, base_turns=2)
+    assert shape.duration_scale == pytest.approx(1.1 ** 3)
+    assert shape.tokens_scale == pytest.approx(1.5 ** 3)

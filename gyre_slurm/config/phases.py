@@ -40,6 +40,9 @@ class PhaseConfig:
                                   "by turns / agent.max_turns")
     growth_per_step: float = key(0.0, "durations and tokens x (1 + this) per step into the "
                                       "phase")
+    tokens_growth_per_step: float | None = key(
+        None, "trained tokens x (1 + this) per step into the phase, when they grow at "
+              "their own rate (null: growth_per_step)")
 
     def __post_init__(self) -> None:
         if self.from_step < 0:
@@ -51,9 +54,11 @@ class PhaseConfig:
             raise FieldError("sigma", f"must be >= 0, got {self.sigma}")
         if self.turns is not None and self.turns < 1:
             raise FieldError("turns", f"must be >= 1, got {self.turns}")
-        if not self.growth_per_step > -1:
-            raise FieldError("growth_per_step", f"must be > -1 (a shrink of less than "
-                             f"100% a step), got {self.growth_per_step}")
+        for name in ("growth_per_step", "tokens_growth_per_step"):
+            value = getattr(self, name)
+            if value is not None and not value > -1:
+                raise FieldError(name, f"must be > -1 (a shrink of less than 100% a step), "
+                                 f"got {value}")
 
 
 @dataclass(frozen=True)
@@ -112,10 +117,14 @@ def shape_at(phases: Sequence[PhaseConfig], step: int, *, base_turns: int) -> St
             phase = p
     if phase is None:
         return StepShape()
-    grow = (1.0 + phase.growth_per_step) ** (step - phase.from_step)
+    into = step - phase.from_step
+    grow = (1.0 + phase.growth_per_step) ** into
+    tokens_growth = phase.growth_per_step if phase.tokens_growth_per_step is None \
+        else phase.tokens_growth_per_step
     turns = phase.turns / base_turns if phase.turns is not None else 1.0
     return StepShape(duration_scale=phase.duration_scale * grow * turns, sigma=phase.sigma,
-                     tokens_scale=phase.tokens_scale * grow * turns, turns=phase.turns)
+                     tokens_scale=phase.tokens_scale * (1.0 + tokens_growth) ** into * turns,
+                     turns=phase.turns)
 
 
 def step_shape(cfg, step: int) -> StepShape:
