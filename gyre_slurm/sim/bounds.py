@@ -15,8 +15,16 @@
   run's group on every cell, nor sooner than step k - 1 plus the whole batch trained
   on every cell; each plus the optimizer step.
 
-The bound is the larger of the two. Handoff costs are not counted: they depend on the
-policy, and a bound must hold for all of them.
+- staged: the two joined, step by step (what a workload whose demand changes needs:
+  its early steps may be bound by work and its late ones by their tails). Step k is
+  trained no sooner than the work bound of steps 0..k (all their runs ended and their
+  tokens trained, with k + 1 optimizer steps), nor than its critical path from the
+  staged finish of the steps before; and the runs of steps k.. start no sooner than
+  step k - s - 1 is trained, so the job ends no sooner than that plus the work bound of
+  steps k.. alone.
+
+The bound is the largest of the three (staged >= both others). Handoff costs are not
+counted: they depend on the policy, and a bound must hold for all of them.
 """
 
 from __future__ import annotations
@@ -44,8 +52,11 @@ def lower_bound(cfg: GyreConfig, w: Workload, *, staleness: int | None = None) -
     train_cell_s = float(w.tokens.sum()) / (best_node_throughput(cfg) * cfg.cluster.cell_nodes)
     work = work_bound(cfg, rollout_cell_s=rollout_cell_s, tokens=float(w.tokens.sum()))
     work += w.num_steps * cfg.training.optimizer_step_s
-    path = critical_path(cfg, w, staleness=cfg.training.max_staleness if staleness is None else staleness)
-    return {"lower_bound_s": max(work, path), "work_bound_s": work, "critical_path_s": path,
+    s = cfg.training.max_staleness if staleness is None else staleness
+    path = critical_path(cfg, w, staleness=s)
+    staged = staged_bound(cfg, w, staleness=s)
+    return {"lower_bound_s": max(work, path, staged), "work_bound_s": work,
+            "critical_path_s": path, "staged_bound_s": staged,
             "rollout_cell_s": rollout_cell_s, "train_cell_s": train_cell_s}
 
 
@@ -100,6 +111,32 @@ def _lower_left_hull(points: list[tuple[float, float]]) -> list[tuple[float, flo
 
 
 def critical_path(cfg: GyreConfig, w: Workload, *, staleness: int) -> float:
+    return float(_step_finishes(cfg, w, staleness=staleness)[-1])
+
+
+def staged_bound(cfg: GyreConfig, w: Workload, *, staleness: int) -> float:
+    """The critical path where each step also waits for the work bound of the steps up
+    to it; and the job, for the work of the steps whose runs start after each step."""
+    n, opt_s = w.num_steps, cfg.training.optimizer_step_s
+    cap = cfg.cell_capacity
+    work = np.bincount(w.batch, weights=w.work_s, minlength=n) / cap
+    tokens = np.bincount(w.batch, weights=w.tokens, minlength=n)
+    done_by = [work_bound(cfg, rollout_cell_s=float(work[:k + 1].sum()),
+                          tokens=float(tokens[:k + 1].sum())) + (k + 1) * opt_s
+               for k in range(n)]
+    finish = _step_finishes(cfg, w, staleness=staleness, floor=done_by)
+    end = float(finish[-1])
+    for k in range(staleness + 1, n):  # steps k.. start once step k - s - 1 is trained
+        rest = work_bound(cfg, rollout_cell_s=float(work[k:].sum()),
+                          tokens=float(tokens[k:].sum())) + (n - k) * opt_s
+        end = max(end, float(finish[k - staleness - 1]) + rest)
+    return end
+
+
+def _step_finishes(cfg: GyreConfig, w: Workload, *, staleness: int,
+                   floor: list[float] | None = None) -> np.ndarray:
+    """When each step is trained at the earliest along the critical path (no sooner
+    than `floor[k]` either, where given)."""
     cells = RolloutCells(num_cells=1, capacity=cfg.cell_capacity,
                          llm_fraction=cfg.workload.llm_time_fraction,
                          half_load_runs=cfg.rollout.half_load_runs, num_runs=0)
@@ -116,4 +153,6 @@ def critical_path(cfg: GyreConfig, w: Workload, *, staleness: int) -> float:
         tail = max(prev, start + w.work_s[last] / rate) + float(w.tokens[group].sum()) / full
         whole = prev + float(w.tokens[sel].sum()) / full
         finish[k] = max(tail, whole) + opt_s
-    return float(finish[-1])
+        if floor is not None:
+            finish[k] = max(finish[k], floor[k])
+    return finish
