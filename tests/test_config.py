@@ -52,9 +52,9 @@ def test_overrides_go_through_the_same_checks():
     assert cfg.workload.duration.sigma == 0.5
     assert cfg.sim.async_splits == (1, 2)
     # YAML 1.1 reads 1e9 as a string; a float field takes it as the number it is
-    assert load_config(None, ["scheduler.train_reserve_s=1e9"]).scheduler.train_reserve_s == 1e9
+    assert load_config(None, ["scheduler.confirm_s=1e9"]).scheduler.confirm_s == 1e9
     with pytest.raises(ConfigError, match="expected a number, got str 'soon'"):
-        load_config(None, ["scheduler.train_reserve_s=soon"])
+        load_config(None, ["scheduler.confirm_s=soon"])
     with pytest.raises(ConfigError, match="expected KEY.PATH=VALUE"):
         apply_overrides({}, ["cluster.num_nodes"])
     with pytest.raises(ConfigError, match="'num_nodes' is a value, not a section"):

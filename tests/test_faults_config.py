@@ -47,7 +47,7 @@ BAD = [
     (["cluster.launcher=local", "cluster.num_nodes=300", "cluster.cell_nodes=100"],
      "cluster.num_nodes", "cluster.launcher: slurm"),
     (["name=../elsewhere"], "name", "names run dirs"),
-    (["scheduler.train_reserve_s=-1"], "scheduler.train_reserve_s", "must be >= 0"),
+    (["scheduler.min_gain=-1"], "scheduler.min_gain", "must be >= 0"),
     (["workload.duration.max_s=0"], "workload.duration.max_s", "must be > 0"),
     (["workload.duration.dist=trace"], "workload.duration.trace_file", "is not set"),
     (["training.scaling_efficiency=2"], "training.scaling_efficiency", "(0, 1]"),

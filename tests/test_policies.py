@@ -1,4 +1,5 @@
-"""Table-driven tests of the policies' decisions on hand-made observations."""
+"""Table-driven tests of the waterlevel rule (`scheduler.forecast: false`) and the
+baselines on hand-made observations (the elastic outlook: tests/test_elastic.py)."""
 
 from dataclasses import replace
 
@@ -10,10 +11,9 @@ from gyre_slurm.sched.baselines import AsyncPolicy, ColocatePolicy
 from gyre_slurm.sched.cells import Role
 from gyre_slurm.sched.elastic import ElasticPolicy
 from gyre_slurm.sched.types import CellObs, Observation
-from gyre_slurm.sched.waterlevel import DurationModel, waterlevel
+from gyre_slurm.sched.waterlevel import waterlevel
 
 R, T = Role.ROLLOUT, Role.TRAIN
-DURATIONS = DurationModel.lognormal(mean_s=3600, sigma=0.5)
 
 
 def cells(*specs):
@@ -40,15 +40,9 @@ def obs(cell_specs, *, now=10_000.0, in_flight=0, queued=0, ready=0.0, waiting=0
 
 
 def naive(**kw):
-    cfg = SchedulerConfig(forecast=False, cost_gate=False, drain="wait", confirm_s=60,
-                          min_dwell_s=0, hysteresis=0.5, **kw)
+    cfg = SchedulerConfig(forecast=False, drain="wait", confirm_s=60, min_dwell_s=0,
+                          hysteresis=0.5, **kw)
     return ElasticPolicy(cfg, durations=None)
-
-
-def smart(**kw):
-    args = dict(confirm_s=60, min_dwell_s=0, hysteresis=0.5)
-    args.update(kw)
-    return ElasticPolicy(SchedulerConfig(**args), durations=DURATIONS, work_horizon_s=900)
 
 
 def test_waterlevel():
@@ -98,62 +92,11 @@ def test_window_restarts_when_the_condition_breaks():
 
 
 def test_min_dwell_keeps_a_fresh_cell_in_place():
-    policy = ElasticPolicy(SchedulerConfig(forecast=False, cost_gate=False, confirm_s=0,
-                                           min_dwell_s=500), durations=None)
+    policy = ElasticPolicy(SchedulerConfig(forecast=False, confirm_s=0, min_dwell_s=500),
+                           durations=None)
     o = obs([(R, 0), (T, 0), (R, 0), (R, 0)], now=100.0)
     assert policy.decide(o) == []
     assert len(policy.decide(replace(o, now_s=600.0))) == 2
-
-
-def test_cost_gate_keeps_cells_when_training_has_no_work():
-    layout = [(R, 0), (T, 0), (R, 1), (R, 0), (R, 0)]
-    gated = smart()
-    gated.decide(obs(layout, now=0.0, in_flight=1, elapsed=[100.0]))
-    assert gated.decide(obs(layout, now=100.0, in_flight=1, elapsed=[100.0])) == []
-    ungated = smart(cost_gate=False)
-    ungated.decide(obs(layout, now=0.0, in_flight=1, elapsed=[100.0]))
-    # spare = 4 - 0.1 cells; floor(3.9 - h) = 3 elastic cells go, the busiest last
-    got = ungated.decide(obs(layout, now=100.0, in_flight=1, elapsed=[100.0]))
-    assert [d.cell_id for d in got] == [4, 3, 2]
-
-
-def test_cost_gate_releases_what_the_training_work_pays_for():
-    layout = [(R, 0), (T, 0), (R, 0), (R, 0), (R, 0)]
-    policy = smart()
-    # 240k tokens at 1000 tok/s per cell = 240 cell-s; a round trip costs 120 s: 2 cells'
-    # worth, one already trains -> one more.
-    policy.decide(obs(layout, now=0.0, ready=240_000.0))
-    got = policy.decide(obs(layout, now=100.0, ready=240_000.0))
-    assert [d.cell_id for d in got] == [4]
-    assert got[0].drain == "migrate"
-
-
-def test_forecast_counts_runs_about_to_finish():
-    # 3 rollout cells full of runs that are about to hit the agents' time limit (4000 s):
-    # by the duration model all end within the handoff horizon, so the forecast
-    # releases; the instantaneous waterlevel does not.
-    layout = [(R, 10), (T, 0), (R, 10), (R, 10)]
-    old = np.full(30, 3990.0)
-    limited = DurationModel.lognormal(mean_s=3600, sigma=0.5, max_s=4000)
-    forecasting = ElasticPolicy(SchedulerConfig(confirm_s=60, min_dwell_s=0, cost_gate=False),
-                                durations=limited)
-    instant = smart(cost_gate=False, forecast=False)
-    for p in (forecasting, instant):
-        p.decide(obs(layout, now=0.0, in_flight=30, elapsed=old))
-    assert forecasting.decide(obs(layout, now=100.0, in_flight=30, elapsed=old)) != []
-    assert instant.decide(obs(layout, now=100.0, in_flight=30, elapsed=old)) == []
-
-
-def test_train_reserve_survives_a_demand_jump():
-    # A new step opens 100 runs at once while 4 cells train a large backlog: the reserve
-    # (cells needed to clear 2.7M ready tokens in 900 s at 1000 tok/s: 3) stays in training.
-    layout = [(R, 10), (T, 0), (T, 0), (T, 0), (T, 0)]
-    policy = smart(train_reserve_s=900)
-    got = policy.decide(obs(layout, in_flight=10, queued=100, ready=2_700_000.0))
-    assert [d.cell_id for d in got] == [4]
-    assert all(d.cause == "reclaim" for d in got)
-    no_gate = smart().decide(obs(layout, in_flight=10, queued=100, ready=2_700_000.0))
-    assert sorted(d.cell_id for d in no_gate) == [2, 3, 4]
 
 
 def test_colocate_switches_all_cells_together():

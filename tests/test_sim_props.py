@@ -14,8 +14,8 @@ from gyre_slurm.sim.bounds import lower_bound
 from gyre_slurm.sim.runner import simulate
 from gyre_slurm.sim.workload import sample_workload
 
-POLICIES = ["elastic", "colocate", "async-split", "elastic-nostream", "elastic-nofloor",
-            "elastic-naive", "async-stream"]
+POLICIES = ["elastic", "colocate", "colocate-stream", "async-split", "elastic-nostream",
+            "elastic-nofloor", "elastic-naive", "async-stream"]
 
 
 @st.composite

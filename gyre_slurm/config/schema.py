@@ -68,6 +68,10 @@ RENAMED: dict[str, str] = {
     "trainer.grad_clip": "optimizer.grad_clip",
     "trainer.pace_node_tokens_per_s": "trainer.pace: true, with the pace in "
                                       "training.node_tokens_per_s",
+    "scheduler.cost_gate": "scheduler.min_gain (elastic weighs what every move gains "
+                           "against what it costs; no gate to turn off)",
+    "scheduler.train_reserve_s": "scheduler.horizon_steps (elastic keeps the train cells "
+                                 "the outlook of the steps ahead needs)",
     "runtime": "split by concern: its keys are now in cluster, agent, model, rollout, "
                "training, optimizer, faults, monitor and scheduler",
 }

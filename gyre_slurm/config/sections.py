@@ -80,17 +80,20 @@ class SchedulerConfig:
     min_train_cells: int = key(1, "standalone floor: cells that always train")
     streaming: bool = key(True, "simulator: train each group as it arrives, not the whole "
                                 "batch at once (the runtime always trains what is ready)")
-    drain: Literal["wait", "migrate"] = key(
-        "migrate", "how a releasing cell's runs leave: migrate at their next call, or wait "
-                   "for them to end")
-    hysteresis: float = key(0.5, "h: release while R - L >= 1 + h, reclaim while L > R + h")
-    confirm_s: float = key(60.0, "a release condition must hold this long before a cell goes")
-    forecast: bool = key(True, "use the demand expected once a handoff lands, not demand now")
-    cost_gate: bool = key(True, "move a cell only if the work it gains exceeds its handoff cost")
+    drain: Literal["auto", "wait", "migrate"] = key(
+        "auto", "how a releasing cell's runs leave: migrate at their next call, wait for "
+                "them to end, or auto: whichever the outlook expects to finish sooner "
+                "(heavy tails: often wait)")
+    forecast: bool = key(True, "elastic decides by the outlook of the steps ahead (false: "
+                               "the waterlevel rule on the demand now)")
+    horizon_steps: int = key(4, "steps the outlook looks ahead, beyond those allowed now")
+    min_gain: float = key(0.02, "a move must finish the outlook's horizon this fraction of "
+                                "its time sooner")
+    hysteresis: float = key(0.5, "the waterlevel rule's h: release while R - L >= 1 + h, "
+                                 "reclaim while L > R + h")
+    confirm_s: float = key(60.0, "a release must stay the best move this long before a "
+                                 "cell goes")
     min_dwell_s: float = key(300.0, "a cell stays at least this long in a role (anti-thrash)")
-    train_reserve_s: float | None = key(
-        None, "reclaim keeps the train cells that clear the ready backlog in this time "
-              "(null: no reserve)")
     async_rollout_cells: int | None = key(
         None, "policy async: the fixed number of rollout cells (null: half the cells)")
     interval_s: float = key(1.0, "how often the policy is asked for decisions (and at every "
@@ -98,9 +101,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _all_positive(self, ("min_rollout_cells", "min_train_cells", "hysteresis",
-                             "confirm_s", "min_dwell_s"), allow_zero=True)
-        if self.train_reserve_s is not None:
-            _positive("train_reserve_s", self.train_reserve_s, allow_zero=True)
+                             "confirm_s", "min_dwell_s", "min_gain"), allow_zero=True)
+        _positive("horizon_steps", self.horizon_steps)
         _positive("interval_s", self.interval_s)
 
 

@@ -1,36 +1,53 @@
-"""The elastic policy: move cells between rollout and training by the waterlevel.
+"""The elastic policy: move a cell only when the move pays, over the steps ahead.
 
-Each call sees one observation and returns decisions; the only state kept between
-calls is the start of the current release window (a time taken from observations).
+Each decision compares layout plans on the outlook (`gyre_slurm/sched/outlook.py`: a
+fluid model of the steps allowed now and `horizon_steps` more, from the runs in flight
+with their ages, the runs queued and still to come, the tokens waiting for training and
+the workload's per-step prior, phases included): stay; reclaim m train cells for rollout
+(cancelling drains first: free); or release m rollout cells to training, draining by
+waiting for their runs or by migrating them at their next call, whichever the outlook
+expects to finish sooner (`scheduler.drain: auto`). A plan's costs are in it: a moving
+cell serves neither side for its handoff, a reclaimed cell's training stops, a wait
+drain holds a cell until its runs' expected tail, a migrated run is re-prefilled and
+slowed on a busier cell. The best plan is made only if it finishes the horizon at
+least `min_gain` (a fraction of the time left in it) sooner than staying; a release only
+once it has been the best plan for `confirm_s`; no cell moves within `min_dwell_s` of
+its last move.
 
-Reclaim (train -> rollout), when runs queue for a server (L > R + h):
-  1. cancel drains first: a rollout cell still draining towards training comes back free;
-  2. then take elastic train cells, the longest-serving first; optionally keeping a
-     *train reserve* (`train_reserve_s`): the cells training needs to clear its ready
-     backlog in that time, so a demand jump at a new step cannot pull every movable
-     cell out of training. The simulator says the reserve loses on every preset (runs
-     are long: a run started late costs more than a backlog trained late), so it is
-     off by default;
-  3. with the forecast on, count only the queue expected to remain once a handoff
-     could land (runs finishing meanwhile free their slots).
-Release (rollout -> train), when R - L >= 1 + h has held for `confirm_s`:
-  - with the forecast on, L is the expected demand one handoff from now (survival of
-    the in-flight runs' durations), plus the next step's batch if it is about to open;
-  - with the cost gate on, a cell goes only if training has at least its round-trip
-    handoff cost of work for it, and never fewer cells than a training world needs;
-  - the cell with the fewest active runs goes; its runs wait or migrate at their next
-    call (`drain`). A run is never stopped.
+Weighing both sides over the steps ahead, not the queue now, is what stops the
+back-and-forth of few cells and training-bound steps: a new batch's queue adds its
+runs' rollout *and* their training to the outlook, so a cell goes to rollout only if
+rollout, not training, is what the horizon waits for; after a failure the outlook is
+recomputed for the cells left, not reacted to.
+
+With `scheduler.forecast: false` the policy is the waterlevel's working rule on the demand now
+(`gyre_slurm/sched/rule.py`): the `elastic-naive` ablation.
+
+Every decision carries, in `expected`, what the outlook expected of it (the decision
+log: `events.jsonl` holds it with the decision): the horizon's end with the move and
+staying, each step's rollout and training end both ways, and the cell-seconds its
+handoffs cost. Its reason says the same in a sentence.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
 
 from gyre_slurm.config.schema import SchedulerConfig
 from gyre_slurm.sched.cells import Role
+from gyre_slurm.sched.outlook import (Capacity, Outlook, StepOutlook, WorkloadPrior, alive_curve,
+                                      build_outlook, longest_of, residual_tail)
+from gyre_slurm.sched.rule import (WaterlevelRule, draining_to_train, releasable_cells,
+                                   takeable_train_cells)
 from gyre_slurm.sched.types import CellObs, Decision, Layout, Observation
-from gyre_slurm.sched.waterlevel import DurationModel, StepDurations, waterlevel
+from gyre_slurm.sched.waterlevel import DurationModel, StepDurations
+
+__all__ = ["ElasticPolicy", "WorkloadPrior", "floors_layout"]
 
 
 def floors_layout(num_cells: int, *, min_rollout: int, min_train: int) -> Layout:
@@ -43,150 +60,386 @@ def floors_layout(num_cells: int, *, min_rollout: int, min_train: int) -> Layout
     return Layout(roles=tuple(roles), standalone=tuple(standalone))
 
 
+@dataclass
+class Plan:
+    kind: str  # stay, reclaim, release
+    cells: list[CellObs]
+    drain: str = "wait"
+    cancel: int = 0  # of `cells`, how many are drains cancelled (reclaim)
+    finish_s: float = math.inf
+    rollout_end: list[float] | None = None
+    train_end: list[float] | None = None
+
+    @property
+    def rank(self) -> tuple[int, float]:
+        """Plans compare by this: the horizon's step ends (rollout and training) that it
+        never reaches, fewest first (a layout that cannot train, or cannot roll out, a
+        step is stuck), then when it finishes (all reached) or reaches its last end. A
+        cluster whose every cell a model replica needs must hand them all to training
+        and back: each such move reaches one more end."""
+        ends = (self.rollout_end or []) + (self.train_end or [])
+        never = sum(1 for t in ends if math.isinf(t)) if ends else 1
+        reached = [t for t in ends if math.isfinite(t)]
+        return never, self.finish_s if not never else max(reached, default=math.inf)
+
+
 class ElasticPolicy:
     max_staleness = None
 
-    def __init__(self, cfg: SchedulerConfig, *, durations: DurationModel | None = None,
-                 name: str = "elastic", work_horizon_s: float = 1800.0):
-        if cfg.forecast and durations is None:
-            raise ValueError("the elastic forecast needs a duration model")
-        self.cfg = cfg
-        self.name = name
+    def __init__(self, cfg: SchedulerConfig, *, prior: WorkloadPrior | None = None,
+                 durations: DurationModel | StepDurations | None = None, name: str = "elastic",
+                 opening: Observation | None = None):
+        """`opening`: the job as it starts (no runs yet; rates from the config), for the
+        outlook to choose the starting layout; None: start on the floors."""
+        if prior is None and durations is not None:
+            prior = WorkloadPrior(durations=StepDurations.of(durations), streaming=cfg.streaming)
+        if cfg.forecast and prior is None:
+            raise ValueError("the elastic outlook needs a workload prior (durations)")
+        self.cfg, self.prior, self.name, self.opening = cfg, prior, name, opening
         self.streaming = cfg.streaming
-        self.durations = StepDurations.of(durations) if durations is not None else None
-        self.work_horizon_s = work_horizon_s  # how far ahead the release gate counts work
-        self._release_since: float | None = None
+        self.naive = WaterlevelRule(cfg)
+        self._release_since: float | None = None  # a release has been the best plan since
+        self._tails: dict[float, float] = {}  # per decision: expected tail of n runs
+        self._alive = None  # per decision: (model, curve) of every run in flight
+        self._key: tuple | None = None  # the state the last plan was made in
+        self._planned_at = -math.inf
+        self._drains: dict[int, str] = {}  # cell draining towards training -> wait or migrate
 
     def initial_layout(self, num_cells: int) -> Layout:
-        return floors_layout(num_cells, min_rollout=self.cfg.min_rollout_cells,
-                             min_train=self.cfg.min_train_cells)
+        """The floors, plus the elastic cells the outlook would have train from the start
+        (moving them later would cost a handoff and, with runs placed on them, a drain)."""
+        floors = floors_layout(num_cells, min_rollout=self.cfg.min_rollout_cells,
+                               min_train=self.cfg.min_train_cells)
+        if self.opening is None or not self.cfg.forecast:
+            return floors
+        cells = tuple(CellObs(i, role, None, alone, 0, -math.inf)
+                      for i, (role, alone) in enumerate(zip(floors.roles, floors.standalone)))
+        obs = dataclasses.replace(self.opening, cells=cells, handoff_to_train_s=0.0,
+                                  handoff_to_rollout_s=0.0)  # no cell has a role to leave
+        outlook = build_outlook(obs, self.prior, horizon_steps=self.cfg.horizon_steps,
+                                streaming=self.streaming)
+        if not outlook.steps:
+            return floors
+        stay = self.evaluate(outlook, obs, Plan("stay", []))
+        best, later = stay, stay
+        out = releasable_cells(obs, 0.0)
+        for m in range(1, len(out) + 1):
+            plan = self.evaluate(outlook, obs, Plan("release", out[:m]))
+            if plan.rank < best.rank:
+                best = plan
+            plan = self.after_first_runs(outlook, obs, out[:m])
+            if plan.rank < later.rank:
+                later = plan
+        left = max(stay.finish_s, 1e-9)
+        if best is stay or best.rank > later.rank or (
+                best.rank[0] == later.rank[0]
+                and later.finish_s - best.finish_s < self.cfg.min_gain * left):
+            return floors  # start on the floors: decide() moves cells once runs are placed
+        roles = list(floors.roles)
+        for c in best.cells:
+            roles[c.cell_id] = Role.TRAIN
+        return Layout(roles=tuple(roles), standalone=floors.standalone,
+                      extra={"opening": {"train_cells": len(best.cells),
+                                         "finish_s": _r(best.finish_s),
+                                         "finish_on_floors_s": _r(stay.finish_s)}})
+
+    def after_first_runs(self, outlook: Outlook, obs: Observation,
+                         cells: list[CellObs]) -> Plan:
+        """The opening plan of starting these cells in rollout and moving them to
+        training once their first runs have ended (a wait drain), as `decide` would."""
+        roll, train = self.layout_now(obs, outlook)
+        first = longest_of(self.prior.durations.at(0), obs.cell_capacity)
+        busy = dataclasses.replace(obs, runs_in_flight=1)  # training will be under way then
+        for _ in cells:
+            roll.change(first, -1)
+            train.change(first + self.opening.handoff_to_train_s + self.join_wait(busy), +1)
+        plan = Plan("release", cells)
+        plan.finish_s, plan.rollout_end, plan.train_end = outlook.finish_s(roll, train)
+        return plan
 
     def decide(self, obs: Observation) -> Sequence[Decision]:
-        if obs.runs_queued > 0:
+        if not self.cfg.forecast:
+            return self.naive.decide(obs)
+        for c in obs.cells:  # drains that ended
+            if c.role is not Role.DRAINING:
+                self._drains.pop(c.cell_id, None)
+        key = self.state_key(obs)
+        if key == self._key and obs.now_s - self._planned_at < self.cfg.confirm_s:
+            return []  # nothing changed that could change the plan: staying still holds
+        self._key, self._planned_at, self._tails, self._alive = key, obs.now_s, {}, None
+        outlook = build_outlook(obs, self.prior, horizon_steps=self.cfg.horizon_steps,
+                                streaming=self.streaming)
+        if not outlook.steps:
+            return []
+        stay = self.evaluate(outlook, obs, Plan("stay", []))
+        best = self.best_plan(outlook, obs, stay)
+        left = max(stay.finish_s - obs.now_s, 1e-9)
+        worth = best is not stay and (best.rank[0] < stay.rank[0] or best.rank[0] == 0 and
+                                      stay.finish_s - best.finish_s >= self.cfg.min_gain * left)
+        if not worth or best.kind == "reclaim":
             self._release_since = None
-            return self._reclaim(obs)
-        return self._release(obs)
+        if not worth:
+            return []
+        if best.kind != "reclaim":
+            if self._release_since is None:
+                self._release_since = obs.now_s
+            if obs.now_s - self._release_since < self.cfg.confirm_s:
+                return []  # confirm it at the next plan
+            self._release_since = None
+        self._key = None
+        return self.decisions(obs, outlook, stay, best)
 
-    # -- reclaim ---------------------------------------------------------------------
-    def _reclaim(self, obs: Observation) -> list[Decision]:
-        cap, h = obs.cell_capacity, self.cfg.hysteresis
-        rollout_side = len(obs.heading_to(Role.ROLLOUT))
-        level = waterlevel(runs_in_flight=obs.runs_in_flight, runs_queued=obs.runs_queued,
-                           cell_capacity=cap)
-        if level <= rollout_side + h and rollout_side > 0:
-            return []
-        queue = obs.runs_queued
-        if self.cfg.forecast:
-            # Slots that free up before a reclaimed cell could start serving.
-            incoming = len([c for c in obs.cells if c.target is Role.ROLLOUT])
-            finishing = obs.runs_in_flight - self.durations.expected_remaining_runs(
-                obs.run_elapsed_s, obs.handoff_to_rollout_s, obs.run_steps)
-            queue = queue - finishing - incoming * cap
-        need = math.ceil(queue / cap - h) if queue > h * cap else 0
-        if rollout_side == 0:
-            need = max(need, 1)  # queued runs and no server at all: hysteresis cannot wait
-        if need <= 0:
-            return []
+    def best_plan(self, outlook: Outlook, obs: Observation, stay: Plan) -> Plan:
+        best = stay
+        for family in self.candidates(obs, outlook):
+            for plan in family:  # more cells, while each more is better
+                self.evaluate(outlook, obs, plan)
+                if plan.rank < best.rank:
+                    best = plan
+                elif plan.finish_s < math.inf and len(plan.cells) >= obs.min_train_cells:
+                    break
+        return best
+
+    def state_key(self, obs: Observation) -> tuple:
+        """What the plan depends on most: a new key re-plans at once (else every
+        `confirm_s`: runs ending change the outlook only gradually)."""
+        return (obs.policy_version, tuple((c.role, c.target) for c in obs.cells),
+                obs.runs_queued > 0, obs.train_ready_tokens > 0)
+
+    def speed(self, load: float) -> float:
+        rates = self.prior.rate_by_load
+        if len(rates) < 2:
+            return 1.0
+        return float(np.interp(load, np.arange(len(rates)), rates))
+
+    # -- plans -------------------------------------------------------------------------
+    def candidates(self, obs: Observation, outlook: Outlook) -> list[list[Plan]]:
+        """Families of plans, each by growing numbers of cells."""
+        dwell = self.cfg.min_dwell_s
+        cancel = draining_to_train(obs)
+        back = cancel + takeable_train_cells(obs, dwell)
+        families = [[Plan("reclaim", back[:m], cancel=min(m, len(cancel)))
+                     for m in _counts(len(back), obs.min_train_cells)]]
+        out = releasable_cells(obs, dwell)
+        drains = ("wait", "migrate") if self.cfg.drain == "auto" else (self.cfg.drain,)
+        for drain in drains:  # idle cells leave alike either way: tried once
+            families.append([Plan("release", out[:m], drain=drain)
+                             for m in _counts(len(out), obs.min_train_cells)
+                             if drain != "migrate" or len(drains) == 1
+                             or _can_migrate(obs, out[:m])])
+        return families
+
+    def evaluate(self, outlook: Outlook, obs: Observation, plan: Plan) -> Plan:
+        roll, train = self.layout_now(obs, outlook)
+        now, h_t, h_r = obs.now_s, obs.handoff_to_train_s, obs.handoff_to_rollout_s
+        if plan.kind == "reclaim":
+            for i, c in enumerate(plan.cells):
+                if i < plan.cancel:  # still serving: it only stops leaving
+                    roll.change(now, +1)
+                    train.change(self.arrival(obs, outlook, c), -1)
+                else:
+                    train.change(now, -1)
+                    roll.change(now + h_r, +1)
+        if plan.kind == "release":
+            for c in plan.cells:
+                roll.change(now, -1)
+                arrival = self.drain_eta(obs, outlook, c, plan.drain) + h_t \
+                    + self.join_wait(obs)
+                train.change(arrival, +1)
+            if plan.drain == "migrate":
+                outlook = self.migrated(obs, outlook, plan.cells)
+        plan.finish_s, plan.rollout_end, plan.train_end = outlook.finish_s(roll, train)
+        return plan
+
+    def arrival(self, obs: Observation, outlook: Outlook, c: CellObs) -> float:
+        """When a cell heading to training gets there."""
+        if c.role is Role.TRAIN:
+            return obs.now_s
+        if c.role is Role.LOADING:
+            return max(obs.now_s, c.since_s + obs.handoff_to_train_s) + self.join_wait(obs)
+        drain = self._drains.get(c.cell_id, "wait")
+        return self.drain_eta(obs, outlook, c, drain) + obs.handoff_to_train_s \
+            + self.join_wait(obs)
+
+    def join_wait(self, obs: Observation) -> float:
+        """A cell joins a training world between micro-batches: while one trains, half
+        of one at the world's present speed, expected."""
+        mb = self.prior.microbatch_tokens
+        train = sum(1 for c in obs.cells if c.role is Role.TRAIN)
+        if mb <= 0 or train < obs.min_train_cells or not (
+                obs.train_ready_tokens or obs.train_waiting_tokens or obs.runs_in_flight):
+            return 0.0
+        usable = train // obs.min_train_cells * obs.min_train_cells
+        return 0.5 * mb / (obs.train_tokens_per_cell_s * usable)
+
+    def layout_now(self, obs: Observation, outlook: Outlook) -> tuple[Capacity, Capacity]:
+        """The cells on each side now, and when the ones moving arrive."""
+        now, h_r = obs.now_s, obs.handoff_to_rollout_s
+        cap = obs.cell_capacity
+        roll_at: dict[float, int] = {}
+        train_at: dict[float, int] = {}
+        for c in obs.cells:
+            if c.role is Role.ROLLOUT:
+                roll_at[now] = roll_at.get(now, 0) + 1
+            elif c.heading is Role.ROLLOUT and c.role in (Role.LOADING, Role.DRAINING):
+                t = max(now, c.since_s + h_r) if c.role is Role.LOADING else now + h_r
+                roll_at[t] = roll_at.get(t, 0) + 1
+            elif c.heading is Role.TRAIN:
+                t = self.arrival(obs, outlook, c)
+                train_at[t] = train_at.get(t, 0) + 1
+        roll = Capacity(now, 0, lambda c: c * cap)
+        train = Capacity(now, 0, outlook.train_rate)
+        for side, deltas in ((roll, roll_at), (train, train_at)):
+            for t in sorted(deltas):
+                side.change(t, deltas[t])
+        return roll, train
+
+    def drain_eta(self, obs: Observation, outlook: Outlook, cell: CellObs, drain: str) -> float:
+        """When a cell leaving rollout has no runs left: at once if it has none, after
+        its runs' next calls if they migrate, after its runs' expected tail if it waits."""
+        if cell.active_runs == 0 or drain == "migrate":
+            return obs.now_s
+        return obs.now_s + self.cell_tail_s(obs, cell.active_runs)
+
+    def cell_tail_s(self, obs: Observation, runs: int) -> float:
+        """The expected longest remaining time of `runs` of the runs in flight, drawn at
+        random (a cell's runs are a sample of them)."""
+        elapsed = np.asarray(obs.run_elapsed_s, dtype=float)
+        if elapsed.size == 0:
+            return 0.0
+        if self._alive is None:  # once per decision: all runs in flight, the oldest step's
+            steps = obs.run_steps if obs.run_steps is not None else np.zeros(elapsed.size, int)
+            model = self.prior.durations.at(int(steps.min()) if steps.size else 0)
+            self._alive = (model, alive_curve(model, elapsed))
+        key = round(runs, 3)
+        if key not in self._tails:
+            model, curve = self._alive
+            frac = min(1.0, runs / elapsed.size)
+            _, self._tails[key] = residual_tail(model, elapsed, curve=curve,
+                                                alive_target=runs / (runs + 1) / max(frac, 1e-9))
+        return self._tails[key]
+
+    def migrated(self, obs: Observation, outlook: Outlook, cells: list[CellObs]) -> Outlook:
+        """The outlook once the cells' runs move: each re-prefilled, and slowed from its
+        light draining cell to a busier one (the run speed by load of the prior). The
+        moved runs are a sample of those in flight: of step k, its share of them."""
+        moved = sum(c.active_runs for c in cells)
+        total = sum(s.inflight for s in outlook.steps)
+        if not moved or not total:
+            return outlook
+        staying = [c for c in obs.cells if c.role is Role.ROLLOUT and c not in cells]
+        dest = (sum(c.active_runs for c in staying) + moved) / max(1, len(staying))
+        slow = self.speed(moved / len(cells)) / self.speed(min(dest, obs.cell_capacity))
+        steps = []
+        for s in outlook.steps:
+            mine = moved * s.inflight / total
+            if mine > 0:
+                model = self.prior.durations.at(s.step)
+                elapsed = np.asarray(obs.run_elapsed_s, dtype=float)
+                run_steps = obs.run_steps if obs.run_steps is not None else np.full(
+                    elapsed.size, outlook.steps[0].step)
+                ages = elapsed[run_steps == s.step]
+                curve = (s.alive_xs, s.alive) if s.alive is not None else None
+                _, tail = residual_tail(model, ages, curve=curve,
+                                        alive_target=mine / (mine + 1) * s.inflight / mine)
+                s = _with_tail(s, max(s.inflight_tail_s, tail * slow + self.prior.reprefill_s))
+            steps.append(s)
+        return dataclasses.replace(outlook, steps=steps)
+
+    # -- the decisions and their log ---------------------------------------------------
+    def decisions(self, obs: Observation, outlook: Outlook, stay: Plan, best: Plan) -> list[Decision]:
+        first, last = outlook.steps[0].step, outlook.steps[-1].step
+        gain = stay.finish_s - best.finish_s
+        to_rollout = best.kind == "reclaim"
+        h = obs.handoff_to_rollout_s if to_rollout else obs.handoff_to_train_s
+        transit = (len(best.cells) - best.cancel) * h
+        expected = {
+            "plan": best.kind, "cells": len(best.cells), "drain": best.drain,
+            "horizon_steps": [first, last],
+            "finish_s": _r(best.finish_s), "finish_staying_s": _r(stay.finish_s),
+            "gain_s": _r(gain), "handoff_cell_s": _r(transit),
+            "rollout_end_s": [_r(x) for x in best.rollout_end or []],
+            "rollout_end_staying_s": [_r(x) for x in stay.rollout_end or []],
+            "train_end_s": [_r(x) for x in best.train_end or []],
+            "train_end_staying_s": [_r(x) for x in stay.train_end or []],
+        }
+        side = _side_effects(stay, best, first)
+        what = {"reclaim": f"reclaim {len(best.cells)} cell(s) for rollout",
+                "release": f"release {len(best.cells)} cell(s) to training ({best.drain} "
+                           f"drain)"}[best.kind]
+        staying = (f"{_r(stay.finish_s)} s staying (gains {_r(gain)} s)"
+                   if math.isfinite(stay.finish_s) else "never staying")
+        if math.isfinite(best.finish_s):
+            outcome = f"expected trained at {_r(best.finish_s)} s vs {staying}"
+        else:  # the horizon needs a later move too: this one reaches more of it
+            outcome = (f"not all trained without a later move, but {best.rank[0]} step "
+                       f"end(s) unreached vs {stay.rank[0]} staying")
+        reason = (f"{what}: steps {first}-{last} {outcome}; {side}; "
+                  f"costs {_r(transit)} cell-s in handoffs")
         out = []
-        for cell in self._draining_to_train(obs)[:need]:
-            out.append(Decision(cell.cell_id, Role.ROLLOUT, "cancel_drain",
-                                f"{obs.runs_queued} runs queue (L={level:.2f}); "
-                                f"cell {cell.cell_id} stops draining and keeps serving"))
-        need -= len(out)
-        for cell in self._takeable_train_cells(obs)[:need]:
-            out.append(Decision(cell.cell_id, Role.ROLLOUT, "reclaim",
-                                f"{obs.runs_queued} runs queue for a server "
-                                f"(L={level:.2f} > R={rollout_side} + h={h})"))
+        for i, c in enumerate(best.cells):
+            if to_rollout:
+                cause = "cancel_drain" if i < best.cancel else "reclaim"
+                out.append(Decision(c.cell_id, Role.ROLLOUT, cause, reason, expected=expected))
+            else:
+                self._drains[c.cell_id] = best.drain
+                out.append(Decision(c.cell_id, Role.TRAIN, "release", reason, drain=best.drain,
+                                    expected=expected))
         return out
 
-    def _draining_to_train(self, obs: Observation) -> list[CellObs]:
-        return [c for c in obs.cells if c.role is Role.DRAINING and c.target is Role.TRAIN]
 
-    def _takeable_train_cells(self, obs: Observation) -> list[CellObs]:
-        train = [c for c in obs.cells if c.role is Role.TRAIN]
-        movable = [c for c in train if not c.standalone and self._dwelled(c, obs)]
-        keep = self._train_reserve(obs)
-        num_staying = len(train) + len([c for c in obs.cells if c.role is Role.LOADING
-                                        and c.target is Role.TRAIN])
-        allowed = max(0, num_staying - keep)
-        # Leaving a training world too small to train is worse than taking all of it.
-        if 0 < num_staying - allowed < obs.min_train_cells and keep == 0:
-            allowed = num_staying
-        movable.sort(key=lambda c: (c.since_s, -c.cell_id))
-        return movable[:allowed]
+def _side_effects(stay: Plan, best: Plan, first: int) -> str:
+    parts = []
+    for label, a, b in (("rollout", stay.rollout_end, best.rollout_end),
+                        ("training", stay.train_end, best.train_end)):
+        if not a or not b:
+            continue
+        pairs = list(enumerate(zip(a, b)))
+        never = [i for i, (x, y) in pairs if math.isinf(x) != math.isinf(y)]
+        if never:  # one of the two never ends that step
+            i = never[0]
+            word = "ends" if math.isinf(a[i]) else "never ends"
+            parts.append(f"{label} of step {first + i} {word} (staying: "
+                         f"{'never' if math.isinf(a[i]) else _r(a[i])})")
+            continue
+        diffs = [(i, y - x) for i, (x, y) in pairs
+                 if math.isfinite(y - x) and abs(y - x) >= 0.5]
+        if diffs:
+            i, d = max(diffs, key=lambda t: abs(t[1]))
+            word = "later" if d > 0 else "sooner"
+            parts.append(f"{label} of step {first + i} ends {_r(abs(d))} s {word}")
+    return ", ".join(parts) or "no step end moves by more than a second"
 
-    def _train_reserve(self, obs: Observation) -> int:
-        if self.cfg.train_reserve_s is None or obs.train_ready_tokens <= 0:
-            return 0
-        rate = obs.train_tokens_per_cell_s * self.cfg.train_reserve_s
-        cells = math.ceil(obs.train_ready_tokens / rate)
-        return max(cells, obs.min_train_cells)
 
-    # -- release ---------------------------------------------------------------------
-    def _release(self, obs: Observation) -> list[Decision]:
-        cap, h = obs.cell_capacity, self.cfg.hysteresis
-        rollout_side = len(obs.heading_to(Role.ROLLOUT))
-        level = self._expected_level(obs) if self.cfg.forecast else waterlevel(
-            runs_in_flight=obs.runs_in_flight, runs_queued=0, cell_capacity=cap)
-        spare = rollout_side - level
-        # With no rollout demand at all, an idle cell is spare whatever the hysteresis
-        # (else a small cluster could hold trainable work and never train it).
-        threshold = 1 + h if obs.runs_in_flight + obs.runs_queued else 1
-        if spare < threshold:
-            self._release_since = None
-            return []
-        if self._release_since is None:
-            self._release_since = obs.now_s
-        if obs.now_s - self._release_since < self.cfg.confirm_s:
-            return []
-        num = math.floor(spare - (threshold - 1))
-        if self.cfg.cost_gate:
-            num = min(num, self._worth_releasing(obs))
-        candidates = [c for c in obs.cells if c.role is Role.ROLLOUT and not c.standalone
-                      and self._dwelled(c, obs)]
-        candidates.sort(key=lambda c: (c.active_runs, -c.cell_id))
-        chosen = candidates[:max(0, num)]
-        if not chosen:
-            return []
-        self._release_since = None
-        return [Decision(c.cell_id, Role.TRAIN, "release",
-                         f"rollout needs {level:.2f} cells, has {rollout_side} "
-                         f"(spare {spare:.2f} >= 1 + h={h} for {self.cfg.confirm_s:g}s); "
-                         f"cell {c.cell_id} has {c.active_runs} runs",
-                         drain=self.cfg.drain)
-                for c in chosen]
+def _can_migrate(obs: Observation, cells: list[CellObs]) -> bool:
+    """Migrating these cells' runs is a plan of its own: they have runs, and the rollout
+    cells that stay have free slots for them beside the runs queued (a run moves only to
+    a free slot: the others would wait on their cell as under a wait drain)."""
+    moving = sum(c.active_runs for c in cells)
+    leaving = {c.cell_id for c in cells}
+    staying = [c for c in obs.cells if c.role is Role.ROLLOUT and c.cell_id not in leaving]
+    free = sum(obs.cell_capacity - c.active_runs for c in staying) - obs.runs_queued
+    return 0 < moving <= free
 
-    def _expected_level(self, obs: Observation) -> float:
-        horizon = obs.handoff_to_train_s + obs.handoff_to_rollout_s
-        in_flight = self.durations.expected_remaining_runs(obs.run_elapsed_s, horizon,
-                                                           obs.run_steps)
-        demand = in_flight + obs.runs_queued
-        # The next step's batch opens once the current step is trained: if that happens
-        # within the horizon, its runs are demand now.
-        training = obs.count(Role.TRAIN)
-        throughput = obs.train_tokens_per_cell_s * training
-        if (obs.step_runs_left == 0 and obs.runs_future > 0 and training >= obs.min_train_cells
-                and obs.train_ready_tokens < throughput * horizon):
-            demand += obs.runs_future
-        return demand / obs.cell_capacity
 
-    def _worth_releasing(self, obs: Observation) -> int:
-        """How many more train cells the training work in sight pays for."""
-        tokens = obs.train_ready_tokens + obs.train_waiting_tokens
-        if self.durations is not None:
-            horizon = self.work_horizon_s
-            finishing = obs.runs_in_flight - self.durations.expected_remaining_runs(
-                obs.run_elapsed_s, horizon, obs.run_steps)
-            tokens += finishing * obs.tokens_per_run
-        work_cell_s = tokens / obs.train_tokens_per_cell_s
-        round_trip_s = obs.handoff_to_train_s + obs.handoff_to_rollout_s
-        training = len(obs.heading_to(Role.TRAIN))
-        num = max(0, math.floor(work_cell_s / max(round_trip_s, 1e-9)) - training)
-        if training + num < obs.min_train_cells and (num > 0 or tokens > 0):
-            # A partial world trains nothing, and work nobody can train blocks every
-            # later step: however small the work, training gets a whole world.
-            num = obs.min_train_cells - training
-        return num
+def _counts(n: int, replica: int) -> list[int]:
+    """Numbers of cells worth trying to move: 1..8, whole replicas, doublings."""
+    if n <= 0:
+        return []
+    out = set(range(1, min(n, 8) + 1))
+    out.update(k * replica for k in range(1, 9) if k * replica <= n)
+    m = 16
+    while m < n:
+        out.add(m)
+        m *= 2
+    out.add(n)
+    return sorted(out)
 
-    def _dwelled(self, cell: CellObs, obs: Observation) -> bool:
-        return obs.now_s - cell.since_s >= self.cfg.min_dwell_s
+
+def _with_tail(s: StepOutlook, tail: float) -> StepOutlook:
+    return dataclasses.replace(s, inflight_tail_s=tail)
+
+
+def _r(x: float) -> float | None:
+    """Seconds for the log: one decimal; None (JSON null) for never."""
+    return round(float(x), 1) if math.isfinite(x) else None

@@ -5,12 +5,14 @@ never reaches into the simulator for it.
 Names:
   elastic            the elastic policy as configured
   colocate           all cells roll out, then all train
+  colocate-stream    ablation: colocate where a cell whose runs ended trains the step's
+                     groups as they end (the published ablation's colocate + streaming)
   async-even         half the cells roll out (capped so training keeps a replica)
   async-split-R      a fixed split with R rollout cells
   elastic-nostream   ablation: elastic, whole-batch training
   elastic-nofloor    ablation: elastic without standalone floors
-  elastic-naive      ablation: the waterlevel's working rule alone (no forecast, no cost
-                     gate, wait drain)
+  elastic-naive      ablation: the waterlevel's working rule on the demand now (no
+                     outlook, wait drain)
 (`async` itself is the split a job configures, `run_policy`, or the best split the
 simulator finds, `sim.runner.best_async`.)
 """
@@ -22,13 +24,16 @@ import math
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from gyre_slurm.config.phases import StepShape, step_shape
 from gyre_slurm.config.schema import GyreConfig
 from gyre_slurm.config.trace import load_trace
 from gyre_slurm.sched.baselines import AsyncPolicy, ColocatePolicy
 from gyre_slurm.sched.elastic import ElasticPolicy
-from gyre_slurm.sched.types import Policy
-from gyre_slurm.sched.waterlevel import DurationModel, StepDurations
+from gyre_slurm.sched.outlook import WorkloadPrior
+from gyre_slurm.sched.types import Observation, Policy
+from gyre_slurm.sched.waterlevel import DurationModel, StepDurations, rate_by_load
 
 
 def run_policy(cfg: GyreConfig) -> Policy:
@@ -65,14 +70,56 @@ def duration_model(cfg: GyreConfig, *, base_dir: Path | None = None) -> StepDura
 def make_elastic(cfg: GyreConfig, *, base_dir: Path | None = None, name: str = "elastic",
                  **changes) -> ElasticPolicy:
     sched = dataclasses.replace(cfg.scheduler, **changes)
-    return ElasticPolicy(sched, durations=duration_model(cfg, base_dir=base_dir), name=name,
-                         work_horizon_s=cfg.workload.duration.mean_s / 4)
+    return ElasticPolicy(sched, prior=workload_prior(cfg, base_dir=base_dir,
+                                                     streaming=sched.streaming), name=name,
+                         opening=opening_observation(cfg))
+
+
+def opening_observation(cfg: GyreConfig) -> Observation:
+    """The job as it starts, from the config alone (its cells are filled in by the
+    policy): every run of the first steps allowed and queued, nothing to train yet,
+    training at the configured pace per cell of a smallest world, each run's trained
+    tokens as configured (`workload.tokens_mean`, times what the packing computes)."""
+    w, t, nodes = cfg.workload, cfg.training, cfg.cluster.cell_nodes
+    cells = math.ceil(t.min_replica_nodes / nodes)
+    usable = (cells * nodes // t.min_replica_nodes) * t.min_replica_nodes
+    cell_tps = t.node_tokens_per_s * usable * t.scaling_efficiency ** math.log2(usable) / cells
+    per_token = 1.0 if t.packing == "tree" else w.rows_reread
+    allowed = min(w.num_steps, t.max_staleness + 1) * w.runs_per_step
+    return Observation(
+        now_s=0.0, cells=(), cell_capacity=cfg.cell_capacity, runs_in_flight=0,
+        runs_queued=allowed, runs_future=w.num_steps * w.runs_per_step - allowed,
+        run_elapsed_s=np.zeros(0), train_ready_tokens=0.0, train_waiting_tokens=0.0,
+        train_tokens_per_cell_s=cell_tps, min_train_cells=cells,
+        tokens_per_run=w.tokens_mean * per_token * step_shape(cfg, 0).tokens_scale,
+        policy_version=0, steps_done=0, num_steps=w.num_steps,
+        handoff_to_train_s=cfg.handoff.to_train_s, handoff_to_rollout_s=cfg.handoff.to_rollout_s,
+        run_steps=np.zeros(0, dtype=np.int64))
+
+
+def workload_prior(cfg: GyreConfig, *, base_dir: Path | None = None,
+                   streaming: bool = True) -> WorkloadPrior:
+    """What the elastic policy is told of the workload: the config's, step by step."""
+    w = cfg.workload
+    return WorkloadPrior(
+        durations=duration_model(cfg, base_dir=base_dir),
+        tokens_scale=tuple(step_shape(cfg, k).tokens_scale for k in range(w.num_steps)),
+        runs_per_step=w.runs_per_step, group_size=w.group_size,
+        staleness=cfg.training.max_staleness, streaming=streaming,
+        scaling_efficiency=cfg.training.scaling_efficiency,
+        optimizer_step_s=cfg.training.optimizer_step_s,
+        rate_by_load=tuple(float(r) for r in rate_by_load(
+            capacity=cfg.cell_capacity, llm_fraction=w.llm_time_fraction,
+            half_load_runs=cfg.rollout.half_load_runs)),
+        reprefill_s=cfg.rollout.reprefill_s,
+        microbatch_tokens=cfg.training.microbatch_tokens)
 
 
 def named_policy(cfg: GyreConfig, name: str, *, base_dir: Path | None = None) -> Policy:
     factories: dict[str, Callable[[], Policy]] = {
         "elastic": lambda: make_elastic(cfg, base_dir=base_dir),
         "colocate": ColocatePolicy,
+        "colocate-stream": lambda: ColocatePolicy(streaming=True),
         "async-even": lambda: AsyncPolicy(name="async-even", rollout_cells=min(
             cfg.cluster.num_cells // 2, feasible_async_splits(cfg)[-1])),
         "elastic-nostream": lambda: make_elastic(cfg, base_dir=base_dir, streaming=False,
@@ -80,8 +127,7 @@ def named_policy(cfg: GyreConfig, name: str, *, base_dir: Path | None = None) ->
         "elastic-nofloor": lambda: make_elastic(cfg, base_dir=base_dir, min_rollout_cells=0,
                                                 min_train_cells=0, name="elastic-nofloor"),
         "elastic-naive": lambda: make_elastic(cfg, base_dir=base_dir, forecast=False,
-                                              cost_gate=False, drain="wait",
-                                              name="elastic-naive"),
+                                              drain="wait", name="elastic-naive"),
     }
     if name.startswith("async-split-"):
         return AsyncPolicy(rollout_cells=int(name.rsplit("-", 1)[1]), name=name)

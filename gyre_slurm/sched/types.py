@@ -68,10 +68,15 @@ class Decision:
     cause: Cause
     reason: str
     drain: Literal["wait", "migrate"] = "wait"  # how a releasing rollout cell's runs leave
+    expected: dict = field(default_factory=dict)  # what the move was expected to gain and
+    #                                               cost (the elastic outlook; the log)
 
     def as_event(self, now_s: float) -> dict:
-        return {"t": now_s, "kind": "decision", "cell": self.cell_id, "to": self.to_role.value,
-                "cause": self.cause, "reason": self.reason, "drain": self.drain}
+        event = {"t": now_s, "kind": "decision", "cell": self.cell_id, "to": self.to_role.value,
+                 "cause": self.cause, "reason": self.reason, "drain": self.drain}
+        if self.expected:
+            event["expected"] = self.expected
+        return event
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,15 @@ def waterlevel(*, runs_in_flight: int, runs_queued: int, cell_capacity: int) -> 
     return (runs_in_flight + runs_queued) / cell_capacity
 
 
+def rate_by_load(*, capacity: int, llm_fraction: float, half_load_runs: float) -> np.ndarray:
+    """A run's speed on a cell holding n runs (n = 0..capacity), relative to a full cell:
+    only the model-call share of a run's time slows down as the cell fills (the rollout
+    model of the simulator, gyre_slurm/sim/rollout.py, which uses this)."""
+    n = np.arange(capacity + 1, dtype=np.float64)
+    return 1.0 / ((1 - llm_fraction) + llm_fraction * (n + half_load_runs)
+                  / (capacity + half_load_runs))
+
+
 @dataclass(frozen=True)
 class DurationModel:
     """Survival function of run durations, tabulated on a log grid for fast lookup."""

@@ -16,6 +16,8 @@ import heapq
 
 import numpy as np
 
+from gyre_slurm.sched.waterlevel import rate_by_load
+
 RUNNING = 2
 
 
@@ -23,9 +25,8 @@ class RolloutCells:
     def __init__(self, *, num_cells: int, capacity: int, llm_fraction: float,
                  half_load_runs: float, num_runs: int):
         self.capacity = capacity
-        n = np.arange(capacity + 1, dtype=np.float64)
-        self.rate_by_load = 1.0 / ((1 - llm_fraction)
-                                   + llm_fraction * (n + half_load_runs) / (capacity + half_load_runs))
+        self.rate_by_load = rate_by_load(capacity=capacity, llm_fraction=llm_fraction,
+                                         half_load_runs=half_load_runs)
         self.vclock = np.zeros(num_cells)
         self.t_last = np.zeros(num_cells)
         self.stall_until = np.zeros(num_cells)

@@ -8,8 +8,10 @@ The policies are built by name in `gyre_slurm.sched.policies`. Names in a compar
   async-split-R      each other split that was tried
   elastic-nostream   ablation: elastic, whole-batch training
   elastic-nofloor    ablation: elastic without standalone floors
-  elastic-naive      ablation: DESIGN 5's working rule (no forecast, no cost gate, wait drain)
+  elastic-naive      ablation: the waterlevel's working rule on the demand now (no outlook)
+  colocate-stream    ablation: colocate whose idle cells train the step's groups as they end
   async-stream       ablation: async at its own best split, with streaming
+  async-stream-even  ablation: async at the even split, with streaming
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from gyre_slurm.sim.engine import SimResult, Simulator
 from gyre_slurm.sim.workload import Workload, sample_workload
 
 MAIN = ("elastic", "colocate", "async")
-ABLATIONS = ("elastic-nostream", "elastic-nofloor", "elastic-naive", "async-stream")
+ABLATIONS = ("elastic-nostream", "elastic-nofloor", "elastic-naive", "colocate-stream",
+             "async-stream")
 
 
 def simulate(cfg: GyreConfig, policy: Policy, workload: Workload) -> SimResult:
@@ -67,9 +70,12 @@ def compare(cfg: GyreConfig, *, ablations: bool = True, base_dir: Path | None = 
     for r, res in sorted(tried.items()):
         results[f"async-split-{r}"] = res
     if ablations:
-        for name in ABLATIONS[:3]:
+        for name in ABLATIONS[:-1]:
             results[name] = simulate(cfg, named_policy(cfg, name, base_dir=base_dir), workload)
         _, results["async-stream"], _ = best_async(cfg, workload, streaming=True,
                                                    name="async-stream")
+        even = named_policy(cfg, "async-even", base_dir=base_dir)
+        results["async-stream-even"] = simulate(cfg, AsyncPolicy(
+            rollout_cells=even.rollout_cells, streaming=True, name="async-stream-even"), workload)
     return {"workload": workload, "bound": bound, "results": results,
             "best_async_split": split}

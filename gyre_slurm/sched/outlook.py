@@ -1,0 +1,406 @@
+"""The outlook behind every elastic decision: a fluid model of the next few steps.
+
+Given what is known now (runs in flight with their ages, runs queued and still to be
+allowed, tokens waiting for training, the workload's per-step prior) and a layout
+*plan* (how many cells roll out and train from when on), `finish_s` predicts when the
+last step of the horizon is trained. The policy compares plans: staying, moving m
+cells to the other side. The handoff costs are inside the plans (a moving cell serves neither side while
+it moves), so a move is worth making only when what it gains on one side outweighs
+what it costs the other over the horizon: a cell reclaimed for a queue that training
+needs more is refused.
+
+The model, per step k of the horizon (every quantity an expectation from the prior):
+- rollout is a fluid of run slots S(t) = cap x rollout cells(t): the work of runs in
+  flight (their expected remaining time) and of the runs not yet started, in step
+  order, each step's new runs no sooner than the step is allowed (A_k: now, or when
+  step k - s - 1 is trained); step k's rollout ends at
+  F_k = max(in-flight tail, A_k + longest of its new runs, fluid end + half a run);
+- training trains step k at tokens/s thr(train cells(t)) (whole replicas only, with the
+  scaling efficiency per doubling); it ends at
+  TE_k = max(TE_{k-1} + tokens_k, F_k + a group's tokens) in trained tokens (streaming;
+  without streaming the step starts at max(TE_{k-1}, F_k)), plus the optimizer step.
+Pure numpy, no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from gyre_slurm.sched.types import Observation
+from gyre_slurm.sched.waterlevel import DurationModel, StepDurations
+
+
+class Capacity:
+    """A piecewise-constant rate over time, from `t0` on; changes are added as deltas of
+    a count, converted to a rate by `rate_of(count)`."""
+
+    def __init__(self, t0: float, count: float, rate_of: Callable[[float], float]):
+        self.rate_of = rate_of
+        self.times = [t0]
+        self.counts = [count]
+        self._rates: list[float] | None = None
+
+    def change(self, t: float, delta: float) -> None:
+        i = bisect.bisect_right(self.times, t)
+        if i > 0 and self.times[i - 1] == t:
+            i -= 1
+        else:
+            self.times.insert(i, t)
+            self.counts.insert(i, self.counts[i - 1] if i > 0 else self.counts[0])
+        for j in range(i, len(self.counts)):
+            self.counts[j] = max(0.0, self.counts[j] + delta)
+        self._rates = None
+
+    def copy(self) -> "Capacity":
+        out = Capacity(self.times[0], self.counts[0], self.rate_of)
+        out.times, out.counts = list(self.times), list(self.counts)
+        return out
+
+    def counts_at(self, ts: np.ndarray) -> np.ndarray:
+        idx = np.maximum(np.searchsorted(self.times, ts, side="right") - 1, 0)
+        return np.asarray(self.counts)[idx]
+
+    def count_at(self, t: float) -> float:
+        return self.counts[max(0, bisect.bisect_right(self.times, t) - 1)]
+
+    def rates(self) -> list[float]:
+        if self._rates is None:
+            self._rates = [self.rate_of(c) for c in self.counts]
+        return self._rates
+
+    def solve(self, t0: float, amount: float) -> float:
+        """The time by which `amount` has been served from `t0` on (inf: never)."""
+        if amount <= 0:
+            return t0
+        rates = self.rates()
+        i = max(0, bisect.bisect_right(self.times, t0) - 1)
+        t = max(t0, self.times[0])
+        while True:
+            end = self.times[i + 1] if i + 1 < len(self.times) else math.inf
+            rate = rates[i]
+            if rate > 0 and t + amount / rate <= end:
+                return t + amount / rate
+            if end == math.inf:
+                return math.inf
+            amount -= rate * (end - t)
+            t, i = end, i + 1
+
+
+@dataclass(frozen=True)
+class StepOutlook:
+    step: int
+    allowed: bool  # its runs may start now
+    inflight: int  # its runs in flight
+    inflight_work_s: float  # their expected remaining time (run-seconds)
+    inflight_tail_s: float  # when the last of them is expected to end (from now)
+    new_runs: int  # its runs not started yet
+    mean_s: float  # a run's expected duration
+    longest_s: float  # the expected longest of its new runs
+    tokens: float  # tokens left to train in this step
+    group_tokens: float  # tokens of one group (the last one trains after its last run)
+    run_tokens: float = 0.0  # tokens of one of its runs not finished yet
+    model: DurationModel | None = None  # durations of its new runs
+    alive_xs: np.ndarray | None = None  # its runs in flight: expected number still
+    alive: np.ndarray | None = None  # running at now + x (reference seconds)
+
+
+@dataclass
+class Outlook:
+    now_s: float
+    steps: list[StepOutlook]
+    staleness: int
+    streaming: bool
+    cap: int  # run slots per rollout cell
+    optimizer_step_s: float
+    train_rate: Callable[[float], float]  # tokens/s of a world of that many cells
+    speed: Callable[[float], float] = lambda load: 1.0  # a run's speed at a cell's load
+    concurrency: int = 0  # runs a staleness window holds (0: those known now)
+    trained_before: dict[int, float] = field(default_factory=dict)  # TE of steps before
+
+    def _speed(self, runs: float, cells: float) -> float:
+        """A run's speed when `runs` share `cells` rollout cells (lighter cells decode
+        faster; a full cell is the reference the durations are given at)."""
+        if cells <= 0 or runs <= 0:
+            return 1.0
+        return self.speed(min(self.cap, runs / cells))
+
+    def _start_new(self, s: StepOutlook, rollout: Capacity, allowed: float,
+                   window: float) -> float:
+        """Start a step's new runs as run slots free up (from when it is allowed), in
+        cohorts of at most a quarter of the slots (at least 1/48 of the runs): each starts
+        once its runs fit beside those in flight then (the runs in flight now, earlier
+        steps' and this step's earlier cohorts). Returns when its last run should end."""
+        if math.isinf(allowed):
+            return math.inf
+        least = max(1.0, rollout.count_at(allowed) * self.cap)
+        part = min(s.new_runs, max(1.0, s.new_runs / 48.0, min(s.new_runs / 4.0, least / 4.0)))
+        parts = max(1, int(math.ceil(s.new_runs / part - 1e-9)))
+        part = s.new_runs / parts
+        span = (1.0 + s.new_runs / least) * s.mean_s + s.longest_s
+        ts = allowed + np.linspace(0.0, span, 64)
+        slots = rollout.counts_at(ts) * self.cap
+        longest = longest_of(s.model, max(1, int(round(part))))
+        end, start = allowed, allowed
+        occ = occupancy(self, ts)
+        for _ in range(parts):
+            room = slots - occ
+            hit = np.flatnonzero((room >= min(part, max(slots.max(), 1.0) - 0.5)) & (ts >= start))
+            if hit.size:
+                start = float(ts[hit[0]])
+            else:  # not within the span: the fluid of run slots
+                start = rollout.solve(ts[-1], part * s.mean_s)
+            if math.isinf(start):
+                return math.inf
+            speed = self._speed(window, rollout.count_at(start))
+            self.cohorts.append((s.step, start, part, s.model, speed))
+            occ = occ + np.where(ts >= start, part * s.model.sf(np.maximum(ts - start, 0.0) * speed), 0.0)
+            end = max(end, start + longest / speed)
+        return end
+
+    def finish_s(self, rollout: Capacity, train: Capacity) -> tuple[float, list[float], list[float]]:
+        """When the horizon's last step is trained under this plan; and per step, the
+        rollout end F_k and the training end TE_k."""
+        te: dict[int, float] = dict(self.trained_before)
+        self.cohorts: list[tuple[int, float, float, DurationModel, float]] = []
+        rollout_end, train_end = [], []
+        prev_te = self.now_s
+        active = sum(s.inflight + (s.new_runs if s.allowed else 0) for s in self.steps)
+        now_speed = self._speed(active, rollout.count_at(self.now_s))
+        self.now_speed = now_speed
+        window = self.concurrency or active
+        for s in self.steps:
+            allowed = self.now_s if s.allowed else te.get(s.step - self.staleness - 1, self.now_s)
+            end = self.now_s + s.inflight_tail_s / now_speed
+            if s.new_runs and s.model is not None:
+                end = max(end, self._start_new(s, rollout, allowed, window))
+            rollout_end.append(end)
+            if self.streaming:
+                t = _streamed_end(self, s, train, prev_te, end)
+            else:
+                t = train.solve(max(prev_te, end), s.tokens)
+            prev_te = t + self.optimizer_step_s
+            te[s.step] = prev_te
+            train_end.append(prev_te)
+        return prev_te, rollout_end, train_end
+
+
+LEVELS = np.array([0.25, 0.5, 0.75, 0.9, 0.97])
+
+
+def _streamed_end(outlook: "Outlook", s: StepOutlook, train: Capacity, prev_te: float,
+                  end: float) -> float:
+    """When step k is trained, streaming: no sooner than its tokens arrive. A group's
+    tokens arrive when its last run ends (the group baseline needs every reward): runs in
+    flight count one by one (their groups are not known), new runs by groups of the step,
+    started with their cohorts. At each level q of the step's tokens arrived, the rest
+    trains after that time; nothing trains before its first group has ended."""
+    now = outlook.now_s
+    todo = (s.inflight + s.new_runs) * s.run_tokens
+    t = train.solve(max(prev_te, now), s.tokens)
+    if todo <= 0 or not now < end < math.inf:
+        return max(t, train.solve(max(prev_te, end), min(s.group_tokens, s.tokens)))
+    ts = np.linspace(now, end, 24)
+    arrived = np.zeros_like(ts)
+    if s.inflight:
+        arrived += (s.inflight - occupancy(outlook, ts, step=s.step, new=False)) * s.run_tokens
+    cohorts = [c for c in getattr(outlook, "cohorts", ()) if c[0] == s.step]
+    if cohorts and s.model is not None:
+        # A cohort's runs start together: a group of g of them has ended with prob F^g.
+        g = max(1.0, min(s.group_tokens / max(s.run_tokens, 1e-9), s.new_runs))
+        for _, start, count, model, speed in cohorts:
+            age = np.maximum(ts - start, 0.0) * speed
+            ended = np.where(ts > start, 1.0 - model.sf(age), 0.0) ** g
+            arrived += count * ended * s.run_tokens
+    arrived = np.maximum.accumulate(arrived)
+    first = min(todo, s.group_tokens if cohorts else s.run_tokens)
+    levels = np.concatenate(([first / todo], LEVELS))
+    at = np.interp(levels * arrived[-1], arrived, ts)
+    for i, (level, when) in enumerate(zip(levels, at)):
+        left = todo if i == 0 else (1.0 - level) * todo
+        t = max(t, train.solve(max(prev_te, float(when)), left))
+    return max(t, train.solve(max(prev_te, end), min(s.group_tokens, s.tokens)))
+
+
+def occupancy(outlook: "Outlook", times: np.ndarray, *, step: int | None = None,
+              new: bool = True) -> np.ndarray:
+    """The expected runs in flight at these times (of one step, or all), from the runs in
+    flight now (by their survival) and the new runs' cohorts started so far."""
+    occ = np.zeros_like(times, dtype=float)
+    speed_now = getattr(outlook, "now_speed", 1.0)
+    for s in outlook.steps:
+        if s.inflight and s.alive is not None and step in (None, s.step):
+            occ += np.interp((times - outlook.now_s) * speed_now, s.alive_xs, s.alive,
+                             right=0.0)
+    for k, start, count, model, speed in getattr(outlook, "cohorts", ()) if new else ():
+        if step in (None, k):
+            age = np.maximum(times - start, 0.0) * speed
+            occ += np.where(times >= start, count * model.sf(age), 0.0)
+    return occ
+
+
+def alive_curve(model: DurationModel, elapsed_s: np.ndarray, *,
+                points: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """Runs in flight at these ages: the expected number still running x reference
+    seconds from now, on a grid of x (starting at 0)."""
+    weight = 1.0
+    if elapsed_s.size > 1024:  # many runs: their ages' quantiles stand for them
+        weight = elapsed_s.size / 1024
+        elapsed_s = np.quantile(elapsed_s, (np.arange(1024) + 0.5) / 1024)
+    now = np.maximum(model.sf(elapsed_s), 1e-12)
+    hi = max(float(model.grid_s[-1]), float(elapsed_s.max()) * 2.0, 1.0)
+    xs = np.concatenate(([0.0], np.geomspace(hi * 1e-4, hi, points)))
+    later = model.sf(elapsed_s[None, :] + xs[:, None])
+    # Past the model's support (a run slowed by load): expect it to end within its age.
+    stale = now <= 1e-9
+    ratio = np.where(stale[None, :], (xs[:, None] < elapsed_s[None, :]).astype(float),
+                     later / now[None, :])
+    return xs, ratio.sum(axis=1) * weight
+
+
+def residual_tail(model: DurationModel, elapsed_s: np.ndarray, *, points: int = 32,
+                  alive_target: float | None = None,
+                  curve: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[float, float]:
+    """Of runs in flight at these ages: their expected total remaining time, and their
+    expected end: the time by which fewer than `alive_target` of them are expected still
+    to run (default n / (n + 1) of n runs: the longest of them, as `longest_of`)."""
+    n = elapsed_s.size
+    if n == 0:
+        return 0.0, 0.0
+    target = n / (n + 1) if alive_target is None else alive_target
+    xs, alive = curve if curve is not None else alive_curve(model, elapsed_s, points=points)
+    hi = float(xs[-1])
+    work = float(np.sum((alive[1:] + alive[:-1]) * np.diff(xs)) / 2)
+    below = np.flatnonzero(alive < target)
+    if not below.size:
+        return work, hi
+    i = int(below[0])
+    if i == 0:
+        return work, 0.0
+    a0, a1 = alive[i - 1], alive[i]  # interpolate the crossing between grid points
+    frac = (a0 - target) / max(a0 - a1, 1e-12)
+    return work, float(xs[i - 1] + frac * (xs[i] - xs[i - 1]))
+
+
+def longest_of(model: DurationModel, num: int) -> float:
+    """The expected longest of `num` fresh runs (the quantile 1 - 1/(num + 1))."""
+    if num <= 0:
+        return 0.0
+    q = 1.0 / (num + 1)
+    surv = model.survival
+    i = int(np.searchsorted(-surv, -q))  # first grid point with S <= q
+    return float(model.grid_s[min(i, len(model.grid_s) - 1)])
+
+
+def train_rate_fn(cell_tokens_s: float, *, min_cells: int, efficiency: float) -> Callable[[float], float]:
+    """Tokens/s of a training world of c cells: whole replicas of `min_cells` only,
+    `efficiency` kept per doubling beyond one replica."""
+    cache: dict[int, float] = {}
+
+    def rate(c: float) -> float:
+        usable = int(c + 1e-9) // max(1, min_cells) * max(1, min_cells)
+        if usable not in cache:
+            cache[usable] = 0.0 if usable <= 0 else (
+                cell_tokens_s * usable * efficiency ** math.log2(usable / max(1, min_cells)))
+        return cache[usable]
+    return rate
+
+
+@dataclass(frozen=True)
+class WorkloadPrior:
+    """What the policy knows of the workload ahead, from the config (each observation
+    brings the measured rest: throughput, tokens per run, handoff costs)."""
+
+    durations: StepDurations
+    tokens_scale: tuple[float, ...] = (1.0,)  # per step, relative to the workload's
+    runs_per_step: int = 0  # 0: unknown (the outlook then sees only the runs allowed now)
+    group_size: int = 1
+    staleness: int = 1
+    streaming: bool = True
+    scaling_efficiency: float = 1.0  # training throughput kept per doubling
+    optimizer_step_s: float = 0.0
+    rate_by_load: tuple[float, ...] = ()  # a run's speed on a cell by its load (empty: 1)
+    reprefill_s: float = 0.0  # a migrated run's extra time
+    microbatch_tokens: float = 0.0  # a cell joins the training world between micro-batches
+
+    def speed(self, load: float) -> float:
+        """A run's speed on a cell of this load, relative to a full cell."""
+        if len(self.rate_by_load) < 2:
+            return 1.0
+        return float(np.interp(load, np.arange(len(self.rate_by_load)), self.rate_by_load))
+
+    def shifts(self, ref: int, step: int, *, factor: float = 1.25) -> bool:
+        """The balance of the work changes between steps `ref` and `step`: a run's duration
+        per trained token differs by more than `factor` (a phase change; runs that grow
+        in both alike keep the balance, and the split that suits it)."""
+        d = self.durations.at(step).mean_s() / max(self.durations.at(ref).mean_s(), 1e-12)
+        return abs(math.log(max(d / self.tokens_ratio(step, ref), 1e-12))) > math.log(factor)
+
+    def tokens_ratio(self, step: int, ref: int) -> float:
+        ts = self.tokens_scale
+        at = lambda k: ts[min(max(k, 0), len(ts) - 1)]  # noqa: E731
+        return at(step) / at(ref)
+
+
+def build_outlook(obs: Observation, p: WorkloadPrior, *, horizon_steps: int,
+                  streaming: bool) -> Outlook:
+    """The outlook of an observation: the steps allowed now and `horizon_steps` more,
+    each with its runs in flight (their survival), its runs queued or still to come (the
+    queued ones are the latest allowed: runs start in order) and its tokens to train."""
+    v = obs.policy_version
+    rps = p.runs_per_step
+    if rps > 0:
+        allowed_end = obs.num_steps * rps - obs.runs_future  # run index past the allowed
+        last_allowed = max(v, math.ceil(allowed_end / rps) - 1)
+    else:
+        allowed_end, last_allowed = 0, v
+    last = min(obs.num_steps - 1, last_allowed + horizon_steps)
+    # A phase that changes the balance of the work starts within the horizon, after the
+    # steps allowed now: plan for this phase; its steps will be planned for when near.
+    shift = next((k for k in range(last_allowed + 1, last + 1) if p.shifts(v, k)), None)
+    if shift is not None:
+        last = shift - 1
+    run_steps = obs.run_steps if obs.run_steps is not None else np.full(
+        obs.runs_in_flight, v, dtype=np.int64)
+    elapsed = np.asarray(obs.run_elapsed_s, dtype=float)
+    tok_v = obs.tokens_per_run
+    steps, finished_later = [], 0.0
+    for k in range(v, last + 1):
+        model = p.durations.at(k)
+        mine = run_steps == k
+        inflight = int(mine.sum())
+        curve = alive_curve(model, elapsed[mine]) if inflight else (None, None)
+        work, tail = residual_tail(model, elapsed[mine], curve=curve if inflight else None)
+        tok = tok_v * p.tokens_ratio(k, v)
+        if rps > 0 and k <= last_allowed:
+            lo, hi = k * rps, (k + 1) * rps
+            queued_lo = allowed_end - obs.runs_queued
+            new = max(0, min(hi, allowed_end) - max(lo, queued_lo))
+            if k > v:
+                finished_later += max(0, rps - inflight - new) * tok
+        elif rps > 0:
+            new = rps
+        else:
+            new = obs.runs_queued
+        tokens = (rps * tok if k > v and rps > 0 else (inflight + new) * tok)
+        steps.append(StepOutlook(
+            step=k, allowed=k <= last_allowed, inflight=inflight, inflight_work_s=work,
+            inflight_tail_s=tail, new_runs=new, mean_s=model.mean_s(),
+            longest_s=longest_of(model, new), tokens=tokens,
+            group_tokens=max(1, p.group_size) * tok, run_tokens=tok, model=model,
+            alive_xs=curve[0], alive=curve[1]))
+    if steps:  # step v: what is ready or finished but not trainable is its own
+        extra = obs.train_ready_tokens + max(0.0, obs.train_waiting_tokens - finished_later)
+        steps[0] = dataclasses.replace(steps[0], tokens=steps[0].tokens + extra)
+    return Outlook(now_s=obs.now_s, steps=steps, staleness=p.staleness,
+                   streaming=streaming, cap=obs.cell_capacity,
+                   optimizer_step_s=p.optimizer_step_s, speed=p.speed,
+                   concurrency=rps * (p.staleness + 1) if rps > 0 else 0,
+                   train_rate=train_rate_fn(obs.train_tokens_per_cell_s,
+                                            min_cells=obs.min_train_cells,
+                                            efficiency=p.scaling_efficiency))

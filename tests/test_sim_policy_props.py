@@ -1,0 +1,109 @@
+"""Property tests of the elastic policy against the layouts it must beat or match, over
+random workloads that include its hard cases: 2-3 cells, training-bound steps, heavy
+tails, and demand that changes over the job (workload phases).
+
+- elastic's makespan is never more than 3% above that of the best fixed split, chosen
+  with hindsight (every split, with and without streaming: no online policy has that);
+- cell moves stay bounded: at most one handoff per cell per mean run duration;
+- and on every shipped preset, elastic / lower bound <= 1.15, or for the presets that
+  miss it, no worse than when the policy landed (slow: whole presets).
+"""
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gyre_slurm.config.presets import preset_names, preset_path
+from gyre_slurm.config.schema import load_config
+from gyre_slurm.sched.baselines import AsyncPolicy
+from gyre_slurm.sched.policies import feasible_async_splits, named_policy
+from gyre_slurm.sim.bounds import lower_bound
+from gyre_slurm.sim.runner import simulate
+from gyre_slurm.sim.workload import sample_workload
+
+# Derandomized: the same examples every run (set GYRE_POLICY_EXAMPLES higher to look
+# further; 150 examples were checked when the policy landed).
+EXAMPLES = int(os.environ.get("GYRE_POLICY_EXAMPLES", "40"))
+
+
+@st.composite
+def workloads(draw):
+    """A job on 2-8 one-node cells: runs of a given mean with a light to heavy tail,
+    training from a twentieth to two thirds of the work, handoffs 2-10% of a run, and
+    sometimes demand that changes (runs that grow, or a task mix that shifts)."""
+    cells = draw(st.sampled_from([2, 3, 3, 4, 6, 8]))
+    mean = draw(st.sampled_from([300.0, 1800.0]))
+    sigma = draw(st.sampled_from([0.2, 0.5, 1.0, 1.5]))
+    cap = draw(st.sampled_from([2, 4, 8]))
+    prompts, group = draw(st.integers(1, 4)), draw(st.sampled_from([2, 4]))
+    runs = prompts * group
+    share = draw(st.sampled_from([0.05, 0.2, 0.4, 0.66]))  # training's share of the work
+    tokens = 20_000.0
+    node_tps = runs * tokens / (runs * mean / cap * share / (1 - share))
+    hand = draw(st.sampled_from([0.02, 0.1])) * mean
+    phases = draw(st.sampled_from([
+        None, "[{from_step: 0, growth_per_step: 0.15}]",
+        "[{from_step: 0, duration_scale: 0.5, growth_per_step: 0.1, tokens_growth_per_step: 0.25}]",
+        "[{from_step: 3, duration_scale: 2.5, tokens_scale: 0.6, sigma: 1.2}]",
+        "[{from_step: 3, duration_scale: 0.4, tokens_scale: 2.0}]"]))
+    overrides = [
+        f"cluster.num_nodes={cells}", "cluster.cell_nodes=1",
+        f"workload.num_steps={draw(st.integers(6, 10))}",
+        f"workload.prompts_per_step={prompts}", f"workload.group_size={group}",
+        f"workload.duration.mean_s={mean}", f"workload.duration.sigma={sigma}",
+        f"workload.tokens_mean={tokens}", f"rollout.runs_per_node={cap}",
+        f"training.node_tokens_per_s={node_tps:.4f}",
+        f"training.max_staleness={draw(st.sampled_from([1, 1, 2]))}",
+        f"training.optimizer_step_s={0.01 * mean}",
+        f"training.microbatch_tokens={max(tokens, runs * tokens / 8)}",
+        f"handoff.engine_release_s={0.2 * hand}", f"handoff.group_rebuild_s={0.1 * hand}",
+        f"handoff.train_state_load_s={0.3 * hand}", f"handoff.weight_load_s={0.2 * hand}",
+        f"handoff.engine_start_s={0.3 * hand}",
+        f"rollout.weight_sync_s={0.01 * mean}", f"rollout.reprefill_s={0.02 * mean}",
+        f"rollout.call_interval_s={0.02 * mean}",
+        f"scheduler.interval_s={0.02 * mean}", f"seed={draw(st.integers(0, 999))}",
+        f"scheduler.confirm_s={0.05 * mean}", f"scheduler.min_dwell_s={0.2 * mean}",
+    ]
+    if phases:
+        overrides.append(f"workload.phases={phases}")
+    return load_config(None, overrides)
+
+
+def best_fixed_split(cfg, workload) -> float:
+    return min(simulate(cfg, AsyncPolicy(rollout_cells=r, streaming=stream), workload).makespan_s
+               for r in feasible_async_splits(cfg) for stream in (False, True))
+
+
+@pytest.mark.slow
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=workloads())
+def test_elastic_is_never_far_behind_the_best_fixed_split(cfg):
+    workload = sample_workload(cfg)
+    elastic = simulate(cfg, named_policy(cfg, "elastic"), workload)
+    best = best_fixed_split(cfg, workload)
+    assert elastic.makespan_s <= 1.03 * best, (elastic.makespan_s / best, elastic.decisions[:6])
+    # Moves stay bounded: no cell changes role more than once per mean run duration.
+    run_lengths = elastic.makespan_s / cfg.workload.duration.mean_s
+    assert elastic.handoffs <= cfg.cluster.num_cells * run_lengths, elastic.handoffs
+    assert elastic.runs_finished == workload.num_runs
+
+
+PRESETS = [name for name in preset_names() if name != "small"]
+# The aim is 1.15 everywhere; these presets miss it, each by the figure measured when the
+# policy landed (docs/scheduler.md, "Against the lower bound", says where the time goes),
+# so the test holds them to it: a change that loses more fails.
+MISSED = {"deepswe-122b": 1.20, "nl2repo-2.4t": 1.30, "terminalbench-122b-growing": 1.23,
+          "deepswe-122b-curriculum": 1.20}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PRESETS)
+def test_elastic_is_within_15_percent_of_the_lower_bound_on_every_preset(name):
+    cfg = load_config(preset_path(name))
+    workload = sample_workload(cfg)
+    elastic = simulate(cfg, named_policy(cfg, "elastic"), workload)
+    bound = lower_bound(cfg, workload)["lower_bound_s"]
+    assert elastic.makespan_s <= MISSED.get(name, 1.15) * bound, elastic.makespan_s / bound
