@@ -4,9 +4,15 @@ on the local Slurm cluster, with the simulator's prediction beside each measurem
 
     tools/gyre-env python tools/bench_modes.py [--out DIR] [--modes elastic,colocate,async]
         [--async-splits 3] [--steps N] [--launcher slurm|local] [--png FILE] [--set K=V ...]
+        [--bench-cluster]
+
+    tools/gyre-env python tools/bench_modes.py --config configs/bench-modes-phases.yaml \
+        --bench-cluster --async-splits 4,5      (changing demand, 8 nodes)
 
 1. Runs configs/bench-modes.yaml (or --config) once per mode with `sbatch
-   sbatch/gyre.sbatch` on the local Slurm cluster (started if it is down, `tools/localslurm`),
+   sbatch/gyre.sbatch` on the local Slurm cluster (started if it is down, `tools/localslurm`;
+   with `--bench-cluster` a second cluster of the config's node count beside the shared
+   4-node one: own state dir, ports, node names bnodeN and addresses 127.0.11.N),
    changing nothing but `scheduler.policy` (and, for `async-R`, the split). Same seed,
    tasks, batch, steps, model; every run's tool time is fixed by its run seed, so each
    layout replays the same runs.
@@ -52,6 +58,8 @@ from gyre_slurm.config.loader import apply_overrides, dump_yaml, from_dict, load
 from gyre_slurm.config.schema import GyreConfig  # noqa: E402
 from gyre_slurm.runtime.book import run_id_of  # noqa: E402
 
+BENCH_CLUSTER = {"state_dir": "/tmp/gyre-bench-slurm", "ctld_port": 16827,
+                 "node_port_base": 17100, "node_prefix": "bnode", "addr_prefix": "127.0.11."}
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
             "PREEMPTED", "BOOT_FAIL", "DEADLINE")
 
@@ -390,8 +398,9 @@ def plot(results: dict, predicted: dict, run_dirs: dict, path: Path) -> None:
             ax.set_xlabel("seconds since start" if row == len(labels) - 1 else "")
     handles = [Patch(color=c, label=lab) for lab, c in ROLE_COLORS.items() if lab != "failed"]
     fig.legend(handles=handles, loc="upper right", ncol=4, fontsize=8)
+    cells = 1 + max(c for p in predicted.values() for c, *_ in p["timeline"])
     fig.suptitle("cell roles: the same job as elastic, colocate and async (local Slurm, "
-                 "4 one-node cells)", x=0.01, ha="left")
+                 f"{cells} cells)", x=0.01, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.94))
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -411,6 +420,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("/tmp/gyre-bench-modes"))
     ap.add_argument("--png", type=Path, help="default: OUT/bench-modes.png")
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="per mode")
+    ap.add_argument("--bench-cluster", action="store_true",
+                    help="run on a second local cluster of the config's node count (state "
+                         f"{BENCH_CLUSTER['state_dir']}), not the shared 4-node one")
     ap.add_argument("--reuse", action="store_true",
                     help="measure the run dirs already under OUT instead of running again")
     args = ap.parse_args()
@@ -428,7 +440,14 @@ def main() -> int:
     if args.launcher == "slurm" and not args.reuse:
         from gyre_slurm.slurm.localcluster import LocalCluster
 
-        cluster = LocalCluster(num_nodes=max(4, cfg.cluster.num_nodes))
+        if args.bench_cluster:
+            cluster = LocalCluster(num_nodes=cfg.cluster.num_nodes, **BENCH_CLUSTER)
+        elif cfg.cluster.num_nodes > 4:
+            raise SystemExit(f"{cfg.cluster.num_nodes} nodes: the shared local cluster has 4 "
+                             "(other tests use it; restarting it with more nodes breaks "
+                             "them); pass --bench-cluster to run on a cluster of its own")
+        else:
+            cluster = LocalCluster(num_nodes=4)
         ok, why = cluster.can_run()
         if not ok:
             raise SystemExit(f"the local Slurm cluster cannot run here: {why} "
