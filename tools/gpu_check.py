@@ -25,6 +25,9 @@ Checks, each timed, each a row of the table printed at the end:
               runs; the torch trainer's tree-packed gradient against rows; Megatron's
               tree-packed loss against rows (when importable); and the kernels' times
               on a larger batch (docs/tree-training.md)
+  wsync       the streamed weight sync between processes (NCCL on two GPUs, gloo through
+  vllm-sleep  host memory on one) and vLLM's sleep and wake around a streamed round:
+              see tools/gpu_check_wsync.py (vllm-sleep needs --vllm-python PATH)
 Exit status: 0 when no check failed (a skip is not a failure), 1 otherwise.
 """
 
@@ -44,6 +47,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
 
 ROWS: list[tuple[str, str, str]] = []
 VOCAB = 512
@@ -410,13 +414,22 @@ def check_tree(args, store_port, gens, model_dir: Path, work: Path):
             f"computed); {meg}")
 
 
+def _wsync_checks():
+    import gpu_check_wsync as w
+
+    return check("wsync")(w.check_wsync), check("vllm-sleep")(w.check_vllm_sleep)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--allow-cpu", action="store_true",
                    help="without a GPU, run the same checks on CPU with gloo")
     p.add_argument("--rebuilds", type=int, default=20)
     p.add_argument("--skip", nargs="*", default=[],
-                   choices=["torch", "bf16", "losses", "megatron", "nccl", "tree"])
+                   choices=["torch", "bf16", "losses", "megatron", "nccl", "tree",
+                            "wsync", "vllm-sleep"])
+    p.add_argument("--vllm-python", help="an interpreter with vLLM (its GPU build on a GPU) "
+                   "for the vllm-sleep check")
     p.add_argument("--json", type=Path, help="also write the table here")
     args = p.parse_args(argv)
     import torch
@@ -454,6 +467,11 @@ def main(argv=None) -> int:
             check_megatron(args, port, gens, model_dir, work)
         if "tree" not in args.skip:
             check_tree(args, port, gens, model_dir, work)
+        check_wsync, check_vllm_sleep = _wsync_checks()
+        if "wsync" not in args.skip:
+            check_wsync(args, store, port, gens, model_dir, work, micro_batch)
+        if "vllm-sleep" not in args.skip:
+            check_vllm_sleep(args, store, port, gens, model_dir, work, micro_batch)
     del store
     width = max(len(r[0]) for r in ROWS)
     print("\n| check | result | figures |\n|---|---|---|")

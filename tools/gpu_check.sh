@@ -8,6 +8,9 @@
 #       --implementation cp --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.19.2
 #
 # Then, on the GPU machine, from the checkout:   bash tools/gpu_check.sh
+# With vLLM's GPU build in an environment of its own (no network: built beforehand),
+# also check sleep/wake around a streamed weight sync:
+#   bash tools/gpu_check.sh --vllm-python /path/to/vllm-env/bin/python
 # It finishes in a few minutes and ends with a table; exit 0 when nothing failed.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

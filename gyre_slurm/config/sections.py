@@ -259,12 +259,24 @@ class RolloutConfig:
         "auto", "how a server frees its node at a handoff to training: auto = sleep on "
                 "GPUs, pause on CPU (vLLM has no sleep mode there)")
     engine_args: tuple[str, ...] = key((), "extra command-line arguments for vLLM")
+    weight_sync: Literal["stream", "file"] = key(
+        "file", "how each new policy reaches the servers (docs/weight-sync.md): stream, the "
+                "training ranks send their shards straight to the servers' workers in "
+                "buckets (gloo on CPU, NCCL on GPUs), no rank holding the whole model; file, "
+                "training rank 0 gathers the model into RUN_DIR/weights/vN, which every "
+                "server reads")
+    weight_bucket_mb: float = key(64.0, "stream: tensors per bucket, MB in the wire dtype (a "
+                                        "rank's memory grows by about one bucket in a sync)")
+    weight_sync_timeout_s: float = key(
+        60.0, "stream: a send or receive silent this long fails the round (the hung server "
+              "is restarted, the others are sent the policy again)")
 
     def __post_init__(self) -> None:
         _positive("runs_per_node", self.runs_per_node)
         _all_positive(self, ("half_load_runs", "reprefill_s", "weight_sync_s"),
                       allow_zero=True)
-        _all_positive(self, ("call_interval_s", "max_model_len"))
+        _all_positive(self, ("call_interval_s", "max_model_len", "weight_bucket_mb",
+                             "weight_sync_timeout_s"))
         if self.tensor_parallel is not None:
             _positive("tensor_parallel", self.tensor_parallel)
         _check_role_python("rollout", self.python, self.container_image)

@@ -37,10 +37,11 @@ the coordinator drives both engines alike:
     POST /shutdown_weight_transfer_engine
 
 A stale generation is refused with 409. While a round is under way, or after one that
-failed, /generate answers 503 and /health says "syncing".
+failed, /health says "syncing" and /generate waits (as vLLM's, paused) until a round
+has loaded a whole policy.
 
 Errors are `{"error": message}` with 400 (bad request), 401, 409 (stale transfer
-generation), 503 (released or syncing) or 500.
+generation), 503 (released) or 500.
 A client that disconnects during /generate cancels it: the sampler stops at the next
 token (or drops it if still queued).
 SIGTERM/SIGINT stop the server cleanly; so does the exit of `--parent-pid` (checked every
@@ -48,7 +49,9 @@ second), so that an engine never outlives the process that launched it.
 
 For tests only: when `$GYRE_TEST_ENGINE_START_DELAY_FILE` names a file that exists, the
 engine first waits the seconds it holds (a slow start, like a vLLM-CPU server's on a
-loaded machine, at a moment the test chooses).
+loaded machine, at a moment the test chooses). When `$GYRE_TEST_ENGINE_STOP_IN_UPDATE_FILE`
+names a file that exists as a streamed round begins, the first engine to take that file
+(a rename) stops itself (SIGSTOP: a server hung in a weight sync).
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ from gyre_slurm.train.dist import StaleGeneration
 
 log = logging.getLogger(__name__)
 START_DELAY_ENV = "GYRE_TEST_ENGINE_START_DELAY_FILE"
+STOP_IN_UPDATE_ENV = "GYRE_TEST_ENGINE_STOP_IN_UPDATE_FILE"
 
 MAX_BODY_BYTES = 8 << 20
 SAMPLER = web.AppKey("sampler", Sampler)
@@ -159,15 +163,18 @@ async def generate(request: web.Request) -> web.Response:
     if not sampler.loaded:
         raise Released("the model is released; POST /resume first")
     state["active"] += 1
-    cancel = threading.Event()
-    job = sampler.generate(req, cancel)
     try:
-        return web.json_response(await asyncio.wrap_future(job))
-    except asyncio.CancelledError:  # the client left (handler_cancellation)
-        cancel.set()
-        job.cancel()
-        state["cancelled"] += 1
-        raise
+        while sampler.status == "syncing":  # as vLLM paused: wait for a whole policy
+            await asyncio.sleep(0.05)
+        cancel = threading.Event()
+        job = sampler.generate(req, cancel)
+        try:
+            return web.json_response(await asyncio.wrap_future(job))
+        except asyncio.CancelledError:  # the client left (handler_cancellation)
+            cancel.set()
+            job.cancel()
+            state["cancelled"] += 1
+            raise
     finally:
         state["active"] -= 1
 
@@ -223,6 +230,7 @@ async def update_weights(request: web.Request) -> web.Response:
     if not isinstance(generation, int) or not isinstance(version, int) or version < 0:
         raise BadRequest("update_info must be {\"generation\": N, \"version\": V >= 0}")
     sampler, state = request.app[SAMPLER], request.app[STATE]
+    _test_stop_in_update()
     stats = await asyncio.wrap_future(sampler.stream_update(state["wsync"], generation,
                                                             version))
     return web.json_response(stats)
@@ -268,6 +276,18 @@ def make_app(sampler: Sampler, *, secret: str, model_name: str,
                     web.post("/finish_weight_update", finish_update),
                     web.post("/shutdown_weight_transfer_engine", shutdown_transfer)])
     return app
+
+
+def _test_stop_in_update() -> None:
+    path = os.environ.get(STOP_IN_UPDATE_ENV)
+    if not path:
+        return
+    try:
+        os.rename(path, f"{path}.taken-{os.getpid()}")  # one engine takes it
+    except OSError:
+        return
+    log.warning("stopping in a weight update for a test (%s)", path)
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 async def _test_start_delay() -> None:

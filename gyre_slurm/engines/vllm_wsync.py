@@ -46,7 +46,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from gyre_slurm.train.wsync import stream
-from gyre_slurm.train.wsync.endpoint import Endpoint
+from gyre_slurm.train.wsync.endpoint import Endpoint, wire_device
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class GyreWeightTransferEngine(WeightTransferEngine[GyreInitInfo, GyreUpdateInfo
     def receive_weights(self, update_info: GyreUpdateInfo) -> None:
         group, plan = self.endpoint.check(update_info.generation)
         self.last = stream.receive(group, plan, load=self.model.load_weights,
-                                   device=self.device)
+                                   device=wire_device(group, self.device))
         log.info("received policy version %s: %d buckets, %.1f MB in %.3f s",
                  update_info.version, self.last["buckets"], self.last["bytes"] / 1e6,
                  self.last["seconds"])

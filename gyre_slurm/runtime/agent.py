@@ -169,12 +169,22 @@ class NodeAgent:
         """Kill this node's engines (hung or dead); the next start_engine starts new ones."""
         return {"exit_codes": await self.engines.kill(reason=reason)}
 
+    @property
+    def _streamed(self) -> bool:
+        """rollout.weight_sync: stream — an engine starts from the initial weights (the
+        one policy on disk) or wakes with what it had, and the coordinator streams it
+        the current policy before it serves (`weights_version`: what it holds)."""
+        return self.cfg.rollout.weight_sync == "stream"
+
     async def cmd_start_engine(self, *, version: int) -> dict:
         t0 = time.monotonic()
-        replaced = await self.engines.start(
-            version=version, weights_path=str(weights_dir(self.rd.path, version)))
+        start = 0 if self._streamed else version  # streamed: from the initial weights
+        replaced, held = await self.engines.start(
+            version=start, weights_path=str(weights_dir(self.rd.path, start)),
+            stream=self._streamed)
         return {"base_urls": self.engines.base_urls, "engine_kind": self.cfg.rollout.engine,
-                "replaced": replaced, "engine_start_s": time.monotonic() - t0}
+                "replaced": replaced, "weights_version": held,
+                "engine_start_s": time.monotonic() - t0}
 
     async def cmd_release_engine(self) -> dict:
         t0 = time.monotonic()
@@ -189,6 +199,7 @@ class NodeAgent:
         coordinator knows that server by; when the server was replaced or killed since,
         the answer says so (`restarted` false, `reason`) and nothing is done."""
         t0 = time.monotonic()
+        version = 0 if self._streamed else version  # streamed: it gets the rest by stream
         res = await self.engines.restart(server=server, version=version, backoff_s=backoff_s,
                                          base_url=base_url)
         return dict(res, engine_kind=self.cfg.rollout.engine, version=version,
@@ -302,6 +313,19 @@ class NodeAgent:
         """`writer`: the world rank that writes a replicated trainer's state (default 0)."""
         await self._train("save", {"path": path, "writer": writer})
         return {}
+
+    async def cmd_wsync_join(self, *, transfer: dict, rank: int) -> dict:
+        """Join a weight-transfer generation (`rank`: this node's first rank)."""
+        results = await self._train("wsync_join", [
+            {"transfer": transfer, "rank": rank + i, "host": self.addr}
+            for i in range(self.cfg.ranks_per_node)])
+        return {"ranks": results}
+
+    async def cmd_wsync_send(self, *, generation: int, targets: list[int]) -> dict:
+        """Every local rank sends its pieces of the policy to transfer ranks `targets`."""
+        results = await self._train("wsync_send", {"generation": generation,
+                                                   "targets": targets})
+        return {"ranks": results}
 
     async def cmd_digests(self) -> dict:
         return {"ranks": await self._train("digests", {})}

@@ -8,7 +8,8 @@ next step has been trained: `checkpoints/.tmp-step_NNNNNN/` receives the trainer
 
 Resume (`gyre run CONFIG --run-dir DIR --resume`) starts from `latest`:
 - the policy version and the trainer state come from the checkpoint; the rollout
-  servers load `weights/v<version>`;
+  servers load `weights/v<version>` (`rollout.weight_sync: file`), or the training
+  ranks, having loaded the state, stream it to them (`stream`: no weights file);
 - every run recorded in `runs/runs.jsonl` of a step not yet trained is replayed into
   the ledger, its trajectories rebuilt from the call store (nothing recorded is lost,
   no trained run is trained again);
@@ -18,7 +19,9 @@ Resume (`gyre run CONFIG --run-dir DIR --resume`) starts from `latest`:
 Verification: before the rename, `manifest.json` records every file of the checkpoint
 (relative path, size, sha256). On resume a checkpoint is used only if its manifest
 verifies, its `coordinator.json` names a version, its trainer state is there and the
-weights of that version are whole (`tiny.verify_weights`). If `latest` is missing,
+weights of that version are whole (`tiny.verify_weights`; not for a checkpoint of a
+streamed run, which writes none: a streamed run resumes with `stream`). If `latest` is
+missing,
 garbled or names a checkpoint that does not verify, resume falls back to the newest
 checkpoint that verifies: each rejected one is reported (a `checkpoint_rejected` event
 and a warning on stderr, with the reason) and moved aside to `checkpoints/.rejected-
@@ -72,9 +75,10 @@ LOW_SPACE_BYTES = 16 << 20  # a checkpoint write that failed with less left: dis
 
 # -- writing ---------------------------------------------------------------------------
 async def save(*, rd: RunDir, world: TrainWorld, version: int, config_name: str,
-               node: int | None = None) -> None:
+               node: int | None = None, weight_sync: str = "file") -> None:
     """Checkpoint policy `version`, the state `world` trains (`node`: the member that
-    writes a replicated trainer's state; default the world's first)."""
+    writes a replicated trainer's state; default the world's first). `weight_sync`:
+    the run's rollout.weight_sync (streamed: no weights file goes with the state)."""
     name = f"step_{version:06d}"
     final = rd.checkpoints / name
     tmp = rd.checkpoints / f".tmp-{name}"
@@ -86,7 +90,8 @@ async def save(*, rd: RunDir, world: TrainWorld, version: int, config_name: str,
         if not (tmp / world.state_name).exists():  # never commit one without it
             raise RuntimeError(f"the trainer wrote no {world.state_name} into {tmp}")
         write_json_atomic(tmp / "coordinator.json", {"version": version, "name": config_name,
-                                                     "t": time.time()})
+                                                     "t": time.time(),
+                                                     "weight_sync": weight_sync})
         manifest = await asyncio.to_thread(write_manifest, tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -186,12 +191,12 @@ def verify_checkpoint(ckpt: Path, run_dir: Path) -> Verified:
         raise CheckpointInvalid(f"{ckpt} holds no trainer state ({' or '.join(STATE_NAMES)})")
     if state[0].is_file() and state[0].stat().st_size == 0:
         raise CheckpointInvalid(f"{state[0]} is empty")
-    weights = tiny.weights_dir(run_dir, version)
-    try:
-        tiny.verify_weights(weights)
-    except tiny.CorruptWeights as exc:
-        raise CheckpointInvalid(f"{ckpt} is of policy version {version}, whose weights "
-                                f"are unusable: {exc}") from None
+    if meta.get("weight_sync") != "stream":  # streamed: the servers get the weights
+        try:                                   # from the trainer state
+            tiny.verify_weights(tiny.weights_dir(run_dir, version))
+        except tiny.CorruptWeights as exc:
+            raise CheckpointInvalid(f"{ckpt} is of policy version {version}, whose weights "
+                                    f"are unusable: {exc}") from None
     return Verified(ckpt, version, state[0], checksummed)
 
 

@@ -12,8 +12,9 @@ then run, until every step is trained:
   (`rollouts.RolloutManager.fill`), observe, decide, hand cells off
   (`handoff.Handoffs`);
 - the training loop: streaming micro-batches, one optimizer step per batch, new weights
-  published and loaded by every rollout server, a checkpoint after each step
-  (`checkpoint`);
+  published and loaded by every rollout server (or, `rollout.weight_sync: stream`, sent
+  by the training ranks to the servers: `wsync.WeightStream`), a checkpoint after each
+  step (`checkpoint`);
 - the status loop: `status.json` about once a second (everything that happens also
   lands in `events.jsonl`);
 - the watchers: node agents' heartbeats and the call store (here), rollout engines'
@@ -46,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from gyre_slurm.config.schema import GyreConfig
+from gyre_slurm.errors import UserError
 from gyre_slurm.models import tiny
 from gyre_slurm.runtime import checkpoint
 from gyre_slurm.runtime.book import StepBook
@@ -97,6 +99,7 @@ class Coordinator:
         self.recovery: Recovery | None = None
         self.handoffs: Handoffs | None = None
         self.training: TrainingLoop | None = None
+        self.wsync = None  # wsync.WeightStream with rollout.weight_sync: stream
         self.waterlevel_history: collections.deque = collections.deque(maxlen=300)
 
     @property
@@ -180,7 +183,9 @@ class Coordinator:
     def prepare_run_dir(self) -> checkpoint.Resume:
         """Create the run dir (or check it for --resume); where the job starts."""
         if self.resume:
-            return checkpoint.load_for_resume(self.rd)
+            start = checkpoint.load_for_resume(self.rd)
+            self._check_weights_file(start.version)
+            return start
         self.rd.create(self.cfg)
         model = self.cfg.model
         tiny.make_model_dir(self.rd.model_dir, hidden_size=model.hidden_size,
@@ -190,6 +195,19 @@ class Coordinator:
         tiny.save_weights(tiny.new_model(self.rd.model_dir, seed=self.cfg.seed),
                           tiny.weights_dir(self.rd.path, 0))
         return checkpoint.Resume(0, None)
+
+    def _check_weights_file(self, version: int) -> None:
+        """Resuming with rollout.weight_sync: file needs the weights file of `version`
+        (a streamed run writes none)."""
+        if self.cfg.rollout.weight_sync != "file":
+            return
+        try:
+            tiny.verify_weights(tiny.weights_dir(self.rd.path, version))
+        except tiny.CorruptWeights as exc:
+            raise UserError(f"--resume with rollout.weight_sync: file needs the weights of "
+                            f"policy version {version}: {exc}. A run that streamed its "
+                            f"weights writes none: resume it with --set "
+                            f"rollout.weight_sync=stream") from None
 
     async def start_services(self, start: checkpoint.Resume) -> None:
         from gyre_slurm.runtime.metrics import MetricsLog
@@ -212,13 +230,19 @@ class Coordinator:
                                        gateway=self.gateway, gateway_url=self.gateway_url,
                                        flush_calls=self.call_writer.flush,
                                        gateway_socket=self.gateway_socket)
+        if cfg.rollout.weight_sync == "stream":
+            from gyre_slurm.runtime.wsync import WeightStream
+
+            self.wsync = WeightStream(job=self.job, world=self.world, gateway=self.gateway,
+                                      agents=self.agents, store=self.store)
         self.recovery = Recovery(job=self.job, world=self.world, gateway=self.gateway,
                                  agents=self.agents, launcher=self.launcher,
-                                 started_from=start.state)
+                                 started_from=start.state, wsync=self.wsync)
         self.handoffs = Handoffs(job=self.job, world=self.world, gateway=self.gateway,
-                                 agents=self.agents, recovery=self.recovery)
+                                 agents=self.agents, recovery=self.recovery, wsync=self.wsync)
         self.training = TrainingLoop(job=self.job, world=self.world, recovery=self.recovery,
-                                     handoffs=self.handoffs, metrics=self.metrics)
+                                     handoffs=self.handoffs, metrics=self.metrics,
+                                     wsync=self.wsync)
 
     async def _start_gateway(self) -> None:
         from gyre_slurm.gateway import Gateway
@@ -246,12 +270,16 @@ class Coordinator:
         self.gateway_url = f"http://{self.addr0}:{gw_port}"
 
     async def lay_out(self) -> None:
-        """Bring up the rollout cells' engines and the first training world."""
+        """Bring up the rollout cells' engines and the first training world (streamed
+        weight sync: the world first, the servers get the policy from it)."""
         rollout = self.table.ids(Role.ROLLOUT)
-        await asyncio.gather(*(self.handoffs.bring_up_engine(c) for c in rollout))
+        if self.wsync is None:
+            await self.handoffs.bring_up_engines(rollout)
         train_nodes = [n for c in self.table.ids(Role.TRAIN) for n in self.job.nodes_of(c)]
         async with self.world.lock:
             timings = await self.world.rebuild(train_nodes)
+        if self.wsync is not None:
+            await self.handoffs.bring_up_engines(rollout)
         self.rd.event("layout", roles=[c.role.value for c in self.table.cells], **timings)
 
     # -- the policy loop -----------------------------------------------------------------

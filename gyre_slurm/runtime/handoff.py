@@ -8,8 +8,11 @@ nodes, which receive weights and optimizer state from a member that stays
 (`rebuild_s`, with the workers' own phases). train -> rollout: the training loop
 finishes its current micro-batch (the world lock: `drain_s`); the world is rebuilt
 without the cell (`rebuild_s`); the engine resumes with the current policy version and
-is added to the gateway (`engine_start_s`). Decisions of one tick that go the same way
-are executed together: one drain wait, one rebuild.
+is added to the gateway (`engine_start_s`); with `rollout.weight_sync: stream` it gets
+the current policy from the training ranks first, one round for every cell that comes
+up (`runtime.wsync`), and a cell leaves for training only once its servers are out of
+any round. Decisions of one tick that go the same way are executed together: one drain
+wait, one rebuild.
 
 Faults (`recovery`): nodes of failed cells never join a world. An engine that does not
 release or resume within `faults.engine_handoff_timeout_s` (hung, or dead while its
@@ -38,6 +41,7 @@ from gyre_slurm.sched.types import Decision
 
 if TYPE_CHECKING:
     from gyre_slurm.gateway import Gateway
+    from gyre_slurm.runtime.wsync import WeightStream
 
 log = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 120.0  # a server that has not loaded new weights by then is restarted
@@ -50,9 +54,11 @@ class Handoffs:
     current policy, on the job's shared state through the services it names."""
 
     def __init__(self, *, job: JobState, world: TrainWorld, gateway: Gateway,
-                 agents: dict[int, ControlClient], recovery: Recovery):
+                 agents: dict[int, ControlClient], recovery: Recovery,
+                 wsync: WeightStream | None = None):
         self.job, self.world, self.gateway = job, world, gateway
         self.agents, self.recovery = agents, recovery
+        self.wsync = wsync  # rollout.weight_sync: stream (None: file)
 
     def start(self, decisions: list[Decision]) -> None:
         """Hand off the decided cells in the background, one handoff per direction."""
@@ -109,8 +115,7 @@ class Handoffs:
                 new = set(world.nodes) - moving
             await world.rebuild(sorted(new))
         if not to_train:
-            await asyncio.gather(*(self.bring_up_engine(c) for c in live
-                                   if not job.engine_clients.get(c)))
+            await self.bring_up_engines([c for c in live if not job.engine_clients.get(c)])
         for c in live:
             job.table.finish_handoff(c, now_s=job.now_s())
         job.rd.event("handoff", direction="rollout->train" if to_train else "train->rollout",
@@ -120,6 +125,31 @@ class Handoffs:
     async def bring_up_engine(self, cell: int) -> float:
         """Start (or resume) the servers of every node of the cell, bring them to the
         current policy and add them to the gateway; the slowest node's start seconds."""
+        return await self.bring_up_engines([cell])
+
+    async def bring_up_engines(self, cells: list[int]) -> float:
+        """`bring_up_engine` for several cells at once (streamed: one round for all)."""
+        if not cells:
+            return 0.0
+        job = self.job
+        started = await asyncio.gather(*(self._start_engines(c) for c in cells))
+        clients = {sid: c for got, _ in started for sid, (c, _) in got.items()}
+        if self.wsync is not None:
+            held = {sid: v for got, _ in started for sid, (_, v) in got.items()}
+            await self._stream_to_joiners(clients, held)
+        else:
+            versions = {v for got, _ in started for _, v in got.values()}
+            await catch_up(list(clients.values()), job, min(versions))
+        for cell, (got, _) in zip(cells, started):
+            job.engine_clients[cell] = {sid: c for sid, (c, _) in got.items()}
+            for sid, (client, _) in got.items():
+                self.gateway.add_server(str(sid), client, capacity=max(
+                    1, job.cfg.cell_capacity // len(got)))
+        return max(start_s for _, start_s in started)
+
+    async def _start_engines(self, cell: int):
+        """Start or resume the cell's servers: ({sid: (client, the version its weights
+        hold: None when unknown)}, the slowest node's start seconds)."""
         from gyre_slurm.engines import make_client
 
         job = self.job
@@ -128,21 +158,32 @@ class Handoffs:
         results = await asyncio.gather(*(self.agents[n].post("/cmd/start_engine",
                                                              {"version": version})
                                          for n in nodes))
-        clients = {}
+        got = {}
         for node, res in zip(nodes, results):
             if res.get("replaced"):
                 job.rd.event("engine_replaced", cell=cell, node=node, when="resume",
                              reason=res["replaced"][:300])
             for k, url in enumerate(res["base_urls"]):
-                clients[ServerId(cell, node, k)] = make_client(
-                    res.get("engine_kind", "embedded"), url, job.rd.secret(),
-                    release_mode=job.cfg.release_mode)
-        await catch_up(list(clients.values()), job, version)  # a step finished meanwhile
-        job.engine_clients[cell] = clients
-        for sid, client in clients.items():
-            self.gateway.add_server(str(sid), client, capacity=max(
-                1, job.cfg.cell_capacity // len(clients)))
-        return max(float(res.get("engine_start_s", 0.0)) for res in results)
+                client = make_client(res.get("engine_kind", "embedded"), url, job.rd.secret(),
+                                     release_mode=job.cfg.release_mode)
+                got[ServerId(cell, node, k)] = (client, res.get("weights_version", version))
+        return got, max(float(res.get("engine_start_s", 0.0)) for res in results)
+
+    async def _stream_to_joiners(self, clients: dict, held: dict) -> None:
+        """Streamed sync: servers that do not hold the current policy get it from the
+        training ranks (a step that ends meanwhile is caught up the same way). A server
+        that does not get it fails the bring-up, loudly."""
+        while True:
+            version = self.job.book.version
+            stale = {sid: c for sid, c in clients.items() if held.get(sid) != version}
+            if not stale:
+                return
+            sent, outcome = await self.wsync.bring_up(stale)
+            bad = {str(sid): why for sid, why in outcome.items() if why}
+            if bad:
+                raise RuntimeError(f"servers {sorted(bad)} did not get policy version "
+                                   f"{sent} by the streamed weight sync: {bad}")
+            held.update({sid: sent for sid in stale})
 
     async def load_weights_everywhere(self, version: int) -> None:
         """Every serving engine loads the new policy in place, between calls, through the
@@ -177,6 +218,8 @@ class Handoffs:
                 self.gateway.drain_server(str(sid))
         while any(self._busy(c, wait=wait) for c in cells):
             await asyncio.sleep(0.05)
+        while any(sid in job.syncing for c in cells for sid in job.server_ids(c)):
+            await asyncio.sleep(0.05)  # a streamed round answers for them first
         phases = {"drain_s": time.monotonic() - t0}
         t1 = time.monotonic()
         for c in cells:
@@ -213,9 +256,8 @@ class Handoffs:
             leaving = {n for c in cells for n in job.nodes_of(c)}
             phases.update(await world.rebuild([n for n in world.nodes if n not in leaving]))
         t1 = time.monotonic()
-        starts = await asyncio.gather(*(self.bring_up_engine(c) for c in cells))
+        phases["engine_start_each_s"] = await self.bring_up_engines(cells)
         phases["engine_start_s"] = time.monotonic() - t1
-        phases["engine_start_each_s"] = max(starts)
         for c in cells:
             job.table.finish_handoff(c, now_s=job.now_s())
         phases["total_s"] = time.monotonic() - t0

@@ -70,6 +70,9 @@ class JobState:
     lost: set[int] = field(default_factory=set)  # nodes whose agents were lost
     heartbeats: dict[int, float] = field(default_factory=dict)  # node -> last beat
     engine_restarts: dict[ServerId, int] = field(default_factory=dict)
+    # servers in a streamed weight-sync round (runtime.wsync): not health-checked, not
+    # released, until the round has answered for them
+    syncing: set[ServerId] = field(default_factory=set)
     failure: JobFailure = field(default_factory=JobFailure)
     tasks: set[asyncio.Task] = field(default_factory=set)  # cancelled at shutdown
 

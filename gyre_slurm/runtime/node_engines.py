@@ -94,17 +94,26 @@ class NodeEngines:
         return [s.base_url for s in self.servers]
 
     # -- the commands -------------------------------------------------------------------
-    async def start(self, *, version: int, weights_path: str) -> str | None:
+    async def start(self, *, version: int, weights_path: str,
+                    stream: bool = False) -> tuple[str | None, int | None]:
         """Resume the servers at `version` (killed and started anew if they do not answer
-        in time: the reason is returned), or start them."""
+        in time: the reason is returned), or start them. `stream` (streamed weight
+        sync): resumed servers only wake, their policy comes by stream. Returns the
+        reason they were replaced (or None) and the version their weights hold (None:
+        woken, whatever they held)."""
         async with self._turn():
-            replaced = None
-            if self.servers:
+            replaced, held = None, version
+            if self.servers and stream:
+                replaced = await self._within_timeout("wake", [
+                    s.client.wake() for s in self.servers])
+                held = None
+            elif self.servers:
                 replaced = await self._within_timeout("resume", [
                     s.client.resume(weights_path, version) for s in self.servers])
             if not self.servers:
                 self.servers = await self._spawn(range(self.count), version, restart=False)
-            return replaced
+                held = version
+            return replaced, held
 
     async def release(self, *, stop: bool) -> str | None:
         """Release the servers (or stop them); the reason, if they had to be killed."""

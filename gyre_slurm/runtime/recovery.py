@@ -41,8 +41,10 @@ Rules (each action lands in `events.jsonl`):
   checks in a row (crashed: connection refused; hung: no answer) the server is drained
   and its node agent kills the engine process and starts a new one on the same cell
   after a backoff (0.5 s, doubling per restart of that server, at most 8 s), at the
-  current policy version; the new server replaces the old one in the gateway
-  (`engine_restarted`). A server
+  current policy version (`rollout.weight_sync: stream`: from the initial weights, then
+  the current policy by a streamed round of its own); the new server replaces the old
+  one in the gateway (`engine_restarted`). A server that a streamed round left
+  half-loaded says "syncing" outside any round: it fails its checks. A server
   restarted more than `faults.max_engine_restarts` times marks its cell failed. The
   restart names the server by its address, and the agent runs one engine command at a
   time (`runtime.node_engines`): a server replaced or killed meanwhile is answered
@@ -71,6 +73,7 @@ if TYPE_CHECKING:
     from gyre_slurm.engines.client import EngineClient
     from gyre_slurm.gateway import Gateway
     from gyre_slurm.runtime.launcher import Launcher
+    from gyre_slurm.runtime.wsync import WeightStream
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +88,11 @@ class Recovery:
 
     def __init__(self, *, job: JobState, world: TrainWorld, gateway: Gateway,
                  agents: dict[int, ControlClient], launcher: Launcher,
-                 started_from: Path | None):
+                 started_from: Path | None, wsync: WeightStream | None = None):
         self.job, self.world, self.gateway = job, world, gateway
         self.agents, self.launcher = agents, launcher
         self.started_from = started_from  # the trainer state the job resumed from
+        self.wsync = wsync  # rollout.weight_sync: stream (None: file)
 
     # -- lost node agents ---------------------------------------------------------------
     def node_lost(self, node: int, reason: str) -> None:
@@ -217,7 +221,8 @@ class Recovery:
             return
         t0 = time.monotonic()
         await checkpoint.save(rd=job.rd, world=world, version=book.version,
-                              config_name=job.cfg.name, node=survivors[0])
+                              config_name=job.cfg.name, node=survivors[0],
+                              weight_sync=job.cfg.rollout.weight_sync)
         job.rd.event("checkpoint_restored_by_survivor", version=book.version,
                      node=survivors[0], lost=gone, seconds=time.monotonic() - t0)
 
@@ -300,15 +305,19 @@ class Recovery:
             await asyncio.sleep(faults.engine_check_s)
             checks = [(cell, sid, client)
                       for cell, clients in list(job.engine_clients.items())
-                      if self._watched(cell) for sid, client in list(clients.items())]
+                      if self._watched(cell) for sid, client in list(clients.items())
+                      if sid not in job.syncing]  # in a streamed round: it answers for them
             results = await asyncio.gather(*(
                 c.health(timeout_s=faults.engine_health_timeout_s) for _, _, c in checks),
                 return_exceptions=True)
             for (cell, sid, _), res in zip(checks, results):
                 if not self._watched(cell) or sid not in job.engine_clients.get(cell, {}):
                     continue  # a handoff, a restart or a failure began meanwhile
-                # vLLM says "paused" while it reloads weights: alive
-                ok = isinstance(res, dict) and res.get("status") in ("ok", "paused")
+                # vLLM says "paused" while it reloads weights: alive. "syncing" outside a
+                # streamed round: half-loaded by a round that failed, it must not serve
+                ok = isinstance(res, dict) and res.get("status") in ("ok", "paused") \
+                    or (isinstance(res, dict) and res.get("status") == "syncing"
+                        and sid in self.wsync_pending())
                 strikes[sid] = 0 if ok else strikes.get(sid, 0) + 1
                 if ok and self.gateway.server_load().get(str(sid), {}).get("suspect"):
                     self.gateway.trust_server(str(sid))  # it answers: route to it again
@@ -391,14 +400,41 @@ class Recovery:
         await old.close()
         client = make_client(res.get("engine_kind", "embedded"), res["base_url"],
                              job.rd.secret(), release_mode=job.cfg.release_mode)
-        version = await catch_up([client], job, int(res["version"]))
+        capacity = max(1, job.cfg.cell_capacity // len(job.engine_clients[cell]))
+        if self.wsync is None:
+            version = await catch_up([client], job, int(res["version"]))
+        else:  # a late joiner: the current policy, streamed
+            job.engine_clients[cell].pop(sid, None)  # the old one takes no part
+            try:
+                version = await self._stream_to(sid, client)
+            except Exception as exc:  # noqa: BLE001 - restarted again, or its cell fails
+                job.rd.event("engine_restart_failed", cell=cell, server=name,
+                             restart=attempt, error=f"weight sync: {exc}"[-500:])
+                job.engine_clients[cell][sid] = client  # the next restart replaces it
+                self.gateway.add_server(name, client, capacity=capacity)
+                self.gateway.drain_server(name)
+                return True
         job.engine_clients[cell][sid] = client
-        self.gateway.add_server(name, client, capacity=max(
-            1, job.cfg.cell_capacity // len(job.engine_clients[cell])))
+        self.gateway.add_server(name, client, capacity=capacity)
         job.rd.event("engine_restarted", cell=cell, server=name, node=sid.node,
                      restart=attempt, backoff_s=backoff, exit_code=res.get("exit_code"),
                      seconds=time.monotonic() - t0, version=version)
         return False
+
+    async def _stream_to(self, sid: ServerId, client: EngineClient) -> int:
+        """A restarted engine holds the initial weights: stream it the current policy
+        (again if a step ended meanwhile). The version it then holds."""
+        version = None
+        while version != self.job.book.version:
+            version, outcome = await self.wsync.bring_up({sid: client})
+            if outcome.get(sid):
+                raise RuntimeError(outcome[sid])
+        return version
+
+    def wsync_pending(self) -> set[ServerId]:
+        """Servers a broken streamed round left half-loaded, waiting for the training
+        loop to sync them (alive while they say "syncing")."""
+        return set(self.wsync.pending) if self.wsync is not None else set()
 
     def restart_serves(self, cell: int, sid: ServerId, old: EngineClient, res: dict) -> bool:
         """Whether the restarted engine goes into the gateway: only when the agent did

@@ -6,7 +6,10 @@ prefix tree's tokens; or, after a member was lost, the step's
 micro-batches again: `StepBook.rewind_step`); it is written to its stream file and
 trained by the world's members. Once the step's every run has ended and every
 trajectory handed out is trained, the optimizer steps, the new weights are published
-and loaded by every rollout server (`Handoffs.load_weights_everywhere`), the step's
+and loaded by every rollout server (`Handoffs.load_weights_everywhere`; with
+`rollout.weight_sync: stream` the ranks send them to the servers, `runtime.wsync`, and
+servers a round failed are restarted, or synced again before the next micro-batch
+when a lost rank broke the round), the step's
 figures go to metrics.jsonl, TensorBoard and the `step` event, and a checkpoint is
 taken (every `training.checkpoint_every_steps`). A training command that fails because
 a member was lost rebuilds the world and rewinds the step (`Recovery`).
@@ -30,6 +33,7 @@ from gyre_slurm.runtime.world import TrainWorld
 
 if TYPE_CHECKING:
     from gyre_slurm.runtime.metrics import MetricsLog
+    from gyre_slurm.runtime.wsync import WeightStream
 
 
 class MicrobatchFailed(Exception):
@@ -43,8 +47,9 @@ class MicrobatchFailed(Exception):
 
 class TrainingLoop:
     def __init__(self, *, job: JobState, world: TrainWorld, recovery: Recovery,
-                 handoffs: Handoffs, metrics: MetricsLog):
+                 handoffs: Handoffs, metrics: MetricsLog, wsync: WeightStream | None = None):
         self.job, self.world, self.recovery, self.handoffs = job, world, recovery, handoffs
+        self.wsync = wsync  # rollout.weight_sync: stream (None: file)
         self.metrics = metrics  # metrics.jsonl and TensorBoard
         self.train_rate: list[float] = []  # tokens/s per cell of each micro-batch
         self.step_signals: dict[int, dict] = {}  # stream index -> its micro-batch's sums
@@ -59,6 +64,8 @@ class TrainingLoop:
         while not book.done():
             async with world.lock:
                 try:
+                    if self.wsync is not None and self.wsync.pending and world.members:
+                        await self.streamed(self.wsync.resync_pending())  # a broken round's
                     trained = await self.train_one() if world.members else False
                     if not trained and world.members and book.step_complete():
                         await self.finish_step()
@@ -119,7 +126,7 @@ class TrainingLoop:
         step = book.version
         state = book.steps[step]
         t0 = time.monotonic()
-        publish = tiny.weights_dir(rd.path, step + 1)
+        publish = None if self.wsync is not None else tiny.weights_dir(rd.path, step + 1)
         stats = await self.world.optimizer_step(publish_dir=publish,
                                                 num_step_tokens=max(1, state.trained_tokens))
         figures = step_figures(book, step, merge_all(self.step_signals.values()),
@@ -127,7 +134,16 @@ class TrainingLoop:
         self.step_signals.clear()
         version = book.step_done()
         self.metrics.write(step=step, version=version, figures=figures)
-        await self.handoffs.load_weights_everywhere(version)
+        try:
+            if self.wsync is not None:  # the ranks send it to every serving server
+                await self.streamed(self.wsync.publish(version))
+            else:
+                await self.handoffs.load_weights_everywhere(version)
+        finally:  # the step is done even if a rank was lost while it was sent
+            self._step_event(step, state, version, t0, stats, figures)
+
+    def _step_event(self, step, state, version, t0, stats, figures) -> None:
+        book, rd = self.job.book, self.job.rd
         rewards = [book.runs[r].reward for r in state.runs if book.runs[r].state == "ok"]
         mean = statistics.fmean(rewards) if rewards else float("nan")
         self.rewards.append({"step": step, "mean_reward": mean, "runs_ok": len(rewards)})
@@ -136,9 +152,26 @@ class TrainingLoop:
                  runs_ok=len(rewards), runs=len(state.runs),
                  seconds=time.monotonic() - t0, stats=stats, metrics=figures)
 
+    async def streamed(self, round_) -> None:
+        """Await a streamed round; the servers it failed that serve are restarted (a
+        half-loaded model must not serve). A rank that broke it raises its error."""
+        from gyre_slurm.runtime.wsync import SyncBroken
+
+        try:
+            outcome = await round_
+        except SyncBroken as exc:
+            self._restart(exc.failed)
+            raise exc.error from exc
+        self._restart(outcome)
+
+    def _restart(self, outcome: dict) -> None:
+        for sid, why in self.wsync.drain_failed(outcome):
+            self.recovery.request_restart(sid.cell, sid,
+                                          reason=f"streamed weight sync failed: {why}")
+
     async def checkpoint(self) -> None:
         """After every `training.checkpoint_every_steps` steps, and after the last."""
         book, cfg = self.job.book, self.job.cfg
         if book.version % cfg.training.checkpoint_every_steps == 0 or book.done():
             await checkpoint.save(rd=self.job.rd, world=self.world, version=book.version,
-                                  config_name=cfg.name)
+                                  config_name=cfg.name, weight_sync=cfg.rollout.weight_sync)

@@ -180,11 +180,13 @@ class TrainWorld:
                                    "packing": packing})
         return merge_all(results)
 
-    async def optimizer_step(self, *, publish_dir: Path, num_step_tokens: int) -> dict:
-        # Every rank takes part in publishing (a sharded model is gathered first); the
-        # world's rank 0 writes.
+    async def optimizer_step(self, *, publish_dir: Path | None, num_step_tokens: int) -> dict:
+        # With a `publish_dir`, every rank takes part in publishing (a sharded model is
+        # gathered first) and the world's rank 0 writes; None: nothing is written (the
+        # policy is streamed: gyre_slurm.runtime.wsync).
         results = await self._all(self.members, "/cmd/step", {
-            "num_step_tokens": num_step_tokens, "publish_dir": str(publish_dir)})
+            "num_step_tokens": num_step_tokens,
+            "publish_dir": None if publish_dir is None else str(publish_dir)})
         return results[0]
 
     async def save(self, path: Path, *, node: int | None = None) -> None:

@@ -286,7 +286,8 @@ def join_transfer_group(spec: TransferSpec, rank: int, *, host: str | None = Non
                         ) -> TransferGroup:
     """Join transfer generation `spec` as `rank` (blocks until all members joined, at
     most max(`spec.timeout_s`, JOIN_TIMEOUT_S)). `host`: this member's own address,
-    where gloo listens (default: the host name's). StaleGeneration when the store's current generation is another."""
+    where gloo listens (default: the host name's). StaleGeneration when the store's
+    current generation is another."""
     import torch
     import torch.distributed as dist
 

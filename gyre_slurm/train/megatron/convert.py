@@ -27,6 +27,7 @@ Hugging Face state dict is the concatenation of all ranks' pieces (`gather_hf`).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -147,6 +148,11 @@ def _unpack_qkv(t: torch.Tensor, shape: ModelShape, tp_size: int):
     return (q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest))
 
 
+def _qkv_piece(t: torch.Tensor, shape: ModelShape, tp_size: int, i: int) -> torch.Tensor:
+    """q (0), k (1) or v (2) of this TP rank's linear_qkv rows, copied."""
+    return _unpack_qkv(t, shape, tp_size)[i]
+
+
 def hf_to_megatron_shard(hf_state: dict[str, torch.Tensor], shape: ModelShape, *,
                          tp_rank: int, tp_size: int, pp_rank: int,
                          pp_size: int) -> dict[str, torch.Tensor]:
@@ -181,9 +187,12 @@ def hf_to_megatron_shard(hf_state: dict[str, torch.Tensor], shape: ModelShape, *
 
 
 def megatron_shard_to_hf_pieces(shard: dict[str, torch.Tensor], shape: ModelShape, *,
-                                tp_size: int, pp_rank: int,
-                                pp_size: int) -> dict[str, tuple[torch.Tensor, int | None]]:
-    """One rank's Megatron shard -> {hf_name: (piece, concat dim over TP or None)}."""
+                                tp_size: int, pp_rank: int, pp_size: int,
+                                lazy: bool = False) -> dict[str, tuple[torch.Tensor, int | None]]:
+    """One rank's Megatron shard -> {hf_name: (piece, concat dim over TP or None)}. Every
+    piece is a view of the shard but q/k/v, which are strided in the fused tensor and
+    copied; `lazy`: those come as functions that make the copy when called (the
+    streamed sync calls them bucket by bucket, so a rank never holds all the copies)."""
     offset = stage_layers(shape, pp_rank, pp_size).start
     out: dict[str, tuple[torch.Tensor, int | None]] = {}
     for name, t in shard.items():
@@ -209,7 +218,9 @@ def megatron_shard_to_hf_pieces(shard: dict[str, torch.Tensor], shape: ModelShap
             out[hf + "post_attention_layernorm.weight"] = (t, None)
         elif rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
             kind = rest.rsplit(".", 1)[1]
-            for p, piece in zip("qkv", _unpack_qkv(t, shape, tp_size)):
+            for i, p in enumerate("qkv"):
+                piece = (functools.partial(_qkv_piece, t, shape, tp_size, i) if lazy
+                         else _unpack_qkv(t, shape, tp_size)[i])
                 out[f"{hf}self_attn.{p}_proj.{kind}"] = (piece, 0)
         elif rest == "self_attention.linear_proj.weight":
             out[hf + "self_attn.o_proj.weight"] = (t, 1)
@@ -280,3 +291,24 @@ def megatron_shards_to_hf(shards: dict[tuple[int, int], dict[str, torch.Tensor]]
     pieces = [megatron_shard_to_hf_pieces(shards[k], shape, tp_size=tp_size, pp_rank=k[1],
                                           pp_size=pp_size) for k in keys]
     return gather_hf(pieces, [k[0] for k in keys], shape)
+
+
+def gather_hf_state(local: dict[str, torch.Tensor], shape: ModelShape, *, tp_rank: int,
+                    tp_size: int, pp_rank: int, pp_size: int, dp_rank: int, rank: int,
+                    world_size: int) -> dict[str, torch.Tensor] | None:
+    """The file publish path: every rank's shard (`local`, Megatron names) gathered into
+    the full model in Hugging Face names on rank 0 (None elsewhere). Collective over the
+    default group; replicas other than data-parallel rank 0 send nothing. Here rather
+    than in worker.py: tools/bench_weightsync.py runs it without megatron-core."""
+    from gyre_slurm.train import dist as gdist
+
+    mine = b""
+    if dp_rank == 0:
+        mine = pack_pieces(tp_rank, megatron_shard_to_hf_pieces(
+            {k: v.detach().cpu() for k, v in local.items()}, shape, tp_size=tp_size,
+            pp_rank=pp_rank, pp_size=pp_size))
+    parts = gdist.gather_bytes(mine, dst=0) if world_size > 1 else [mine]
+    if rank != 0:
+        return None
+    parts = [unpack_pieces(p) for p in parts if p]
+    return gather_hf([p[1] for p in parts], [p[0] for p in parts], shape)

@@ -456,19 +456,12 @@ class MegatronWorker(StreamSender):
         Collective: the data-parallel rank 0 replica's shards are gathered."""
         from megatron.core import parallel_state as ps
 
-        mine = b""  # replicas other than data-parallel rank 0 send nothing
-        if ps.get_data_parallel_rank() == 0:
-            local = {k: v.detach().cpu() for k, v in self.model.state_dict().items()
-                     if not k.endswith("_extra_state")}
-            mine = convert.pack_pieces(
-                ps.get_tensor_model_parallel_rank(), convert.megatron_shard_to_hf_pieces(
-                    local, self.shape, tp_size=self.tp,
-                    pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=self.pp))
-        parts = gdist.gather_bytes(mine, dst=0) if self.world_size > 1 else [mine]
-        if (self.rank or 0) != 0:
-            return None
-        parts = [convert.unpack_pieces(p) for p in parts if p]
-        return convert.gather_hf([p[1] for p in parts], [p[0] for p in parts], self.shape)
+        local = {k: v for k, v in self.model.state_dict().items()
+                 if not k.endswith("_extra_state")}
+        return convert.gather_hf_state(local, self.shape, tp_rank=ps.get_tensor_model_parallel_rank(),
+                               tp_size=self.tp, pp_rank=ps.get_pipeline_model_parallel_rank(),
+                               pp_size=self.pp, dp_rank=ps.get_data_parallel_rank(),
+                               rank=self.rank or 0, world_size=self.world_size)
 
     def wsync_layout(self):
         from gyre_slurm.train.wsync.plan import TrainerLayout
@@ -476,15 +469,16 @@ class MegatronWorker(StreamSender):
         return TrainerLayout("megatron", self.world_size, tp=self.tp, pp=self.pp)
 
     def hf_pieces(self) -> dict[str, tuple[torch.Tensor, int | None]]:
-        """This rank's shard in Hugging Face names: views of its parameters, each with
-        the dimension along which the TP pieces concatenate (streamed weight sync)."""
+        """This rank's shard in Hugging Face names: views of its parameters (q/k/v: made
+        bucket by bucket), each with the dimension along which the TP pieces
+        concatenate (streamed weight sync)."""
         from megatron.core import parallel_state as ps
 
         local = {k: v.detach() for k, v in self.model.state_dict().items()
                  if not k.endswith("_extra_state")}
         return convert.megatron_shard_to_hf_pieces(
             local, self.shape, tp_size=self.tp,
-            pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=self.pp)
+            pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=self.pp, lazy=True)
 
     def publish(self, out_dir: Path) -> Path | None:
         """Collective: write the full model to `out_dir/model.safetensors` (rank 0)."""

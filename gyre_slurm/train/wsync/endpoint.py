@@ -27,6 +27,14 @@ log = logging.getLogger(__name__)
 __all__ = ["Endpoint", "StaleGeneration", "StreamSender"]
 
 
+def wire_device(group: TransferGroup, device):
+    """Where pieces travel from: the member's device over NCCL, host memory over gloo
+    (a GPU member staging through the host: a trainer and a server sharing GPUs)."""
+    import torch
+
+    return device if group.spec.backend == "nccl" else torch.device("cpu")
+
+
 class Endpoint:
     def __init__(self) -> None:
         self.group: TransferGroup | None = None
@@ -98,11 +106,12 @@ class StreamSender:
         group, plan = self._wsync.check(generation)
         try:
             out = stream.send(group, plan, self.hf_pieces(),
-                              targets=[int(t) for t in targets], device=self.device)
+                              targets=[int(t) for t in targets], device=wire_device(group,
+                                                                                   self.device))
         except stream.TransferTimeout as exc:  # a hung target: the group is closed
             self._wsync.leave()
             return {"timed_out_target": exc.target, "error": str(exc)[:300],
-                    "version": self.version, "rank": self.rank}
+                    "bytes": exc.sent, "version": self.version, "rank": self.rank}
         return {**out, "version": self.version, "rank": self.rank}
 
     def wsync_leave(self) -> dict:

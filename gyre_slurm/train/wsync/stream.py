@@ -40,9 +40,9 @@ log = logging.getLogger(__name__)
 class TransferTimeout(RuntimeError):
     """A send got no answer within the group's timeout: the group is closed."""
 
-    def __init__(self, message: str, *, target: int):
+    def __init__(self, message: str, *, target: int, sent: int = 0):
         super().__init__(message)
-        self.target = target
+        self.target, self.sent = target, sent
 
 
 def peak_rss_reset() -> int:
@@ -81,6 +81,8 @@ def _local_piece(plan: Plan, piece: Piece, held: Mapping[str, tuple[torch.Tensor
         raise KeyError(f"this rank holds no piece of {name}, the plan says it sends one "
                        f"(TP {piece.tp}, PP {piece.pp})")
     t, dim = held[name]
+    if callable(t):  # made when its bucket is sent (convert's lazy q/k/v copies)
+        t = t()
     if dim != piece.dim:
         raise ValueError(f"{name}: held along dim {dim}, the plan cuts along {piece.dim}")
     if piece.dim is not None and t.shape[piece.dim] != piece.length:
@@ -119,7 +121,7 @@ def send(group, plan: Plan, held: Mapping[str, tuple[torch.Tensor, int | None]],
                 if _is_timeout(exc):
                     raise TransferTimeout(f"transfer generation {group.generation}: a send "
                                           f"to rank {target} timed out ({exc})",
-                                          target=target) from exc
+                                          target=target, sent=sent) from exc
                 if target not in failed:
                     log.warning("transfer rank %d failed mid-round (%s): going on without "
                                 "it", target, str(exc)[:200])
