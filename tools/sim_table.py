@@ -1,56 +1,108 @@
 #!/usr/bin/env python3
-"""Print the simulator tables of docs/scheduler.md (markdown) for every published-setting preset.
+"""Print the simulator tables of docs/scheduler.md (markdown) for the shipped presets.
 
-  tools/gyre-env python tools/sim_table.py      (or: source tools/env.sh; python tools/...)
+  tools/gyre-env python tools/sim_table.py [PRESET ...]      the preset and ablation tables
+  tools/gyre-env python tools/sim_table.py --assumptions      one preset, one assumption
+                                                              changed at a time
+  tools/gyre-env python tools/sim_table.py --all              both
 
-Speedups are makespan ratios (other / elastic). "Published" columns are the figures in
-DESIGN 1; a dash where none was published for that setting.
+Speedups are makespan ratios (other / elastic's). "Published" columns are the figures of
+the published runs (the presets cite them) and of the published ablation (streaming
+alone saves 11.6% over async; elastic cells add 1.19x on top of colocate with
+streaming); a dash where none was published.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 
 from gyre_slurm.config.presets import preset_path
 from gyre_slurm.config.schema import load_config
 from gyre_slurm.sim.runner import compare
 
-PRESETS = ("terminalbench-122b", "deepswe-122b", "nl2repo-122b", "nl2repo-2.4t")
-PUBLISHED = {  # elastic speedup vs colocate, vs async (DESIGN 1)
+PRESETS = ("terminalbench-122b", "deepswe-122b", "nl2repo-122b", "nl2repo-2.4t",
+           "terminalbench-122b-growing", "deepswe-122b-curriculum")
+PUBLISHED = {  # elastic speedup vs colocate, vs async (published)
     "terminalbench-122b": ("up to 1.85", "up to 1.43"),
-    "deepswe-122b": ("-", "-"),
-    "nl2repo-122b": ("-", "-"),
     "nl2repo-2.4t": ("1.21", "1.78"),
 }
-ABLATIONS = ("elastic-nostream", "elastic-nofloor", "elastic-naive", "async-stream")
+ABLATIONS = ("elastic-nostream", "elastic-nofloor", "elastic-naive", "colocate-stream",
+             "async-stream")
+# One assumption of a preset changed at a time (label, preset, overrides, async at even?).
+ASSUMPTIONS = (
+    ("terminalbench-122b as shipped", "terminalbench-122b", (), False),
+    ("async at the even split (untuned)", "terminalbench-122b", (), True),
+    ("heavier tail (sigma 0.8)", "terminalbench-122b", ("workload.duration.sigma=0.8",), False),
+    ("demand that changes: runs and contexts grow", "terminalbench-122b-growing", (), False),
+    ("demand that changes: a task curriculum", "deepswe-122b-curriculum", (), False),
+    ("changing demand and async untuned", "deepswe-122b-curriculum", (), True),
+)
 
 
-def main(presets=PRESETS) -> None:
+def row(name: str, out: dict, num_cells: int) -> tuple[str, str]:
+    lb = out["bound"]["lower_bound_s"]
+    r = {k: v.makespan_s for k, v in out["results"].items()}
+    e = r["elastic"]
+    pub_c, pub_a = PUBLISHED.get(name, ("-", "-"))
+    main = (f"| {name} | {e / 3600:.1f} h | {r['colocate'] / e:.2f}x | {pub_c} | "
+            f"{r['async'] / e:.2f}x ({out['best_async_split']}/{num_cells}) | "
+            f"{r['async-even'] / e:.2f}x | {pub_a} | {e / lb:.3f} | {r['colocate'] / lb:.3f} | "
+            f"{r['async'] / lb:.3f} |")
+    ablation = (f"| {name} | " + " | ".join(f"{r[a] / e:.3f}" for a in ABLATIONS)
+                + f" | {1 - r['async-stream'] / r['async']:.1%} | {r['colocate-stream'] / e:.2f}x |")
+    return main, ablation
+
+
+def tables(presets) -> None:
     rows, ablation_rows = [], []
     for name in presets:
         cfg = load_config(preset_path(name))
-        out = compare(cfg)
-        lb = out["bound"]["lower_bound_s"]
-        r = {k: v.makespan_s for k, v in out["results"].items()}
-        e = r["elastic"]
-        pub_c, pub_a = PUBLISHED.get(name, ("-", "-"))
-        rows.append(
-            f"| {name} | {e / 3600:.1f} h | {r['colocate'] / e:.2f}x | {pub_c} | "
-            f"{r['async'] / e:.2f}x ({out['best_async_split']}/{cfg.cluster.num_cells}) | "
-            f"{r['async-even'] / e:.2f}x | {pub_a} | {e / lb:.3f} | {r['colocate'] / lb:.3f} | "
-            f"{r['async'] / lb:.3f} |")
-        ablation_rows.append(f"| {name} | " + " | ".join(
-            f"{r[a] / e:.3f}" for a in ABLATIONS) + " |")
+        main, ablation = row(name, _compare(name, ()), cfg.cluster.num_cells)
+        rows.append(main)
+        ablation_rows.append(ablation)
         print(f"done {name}", file=sys.stderr)
     print("| preset | elastic | vs colocate | published | vs async, best split (R/cells) "
           "| vs async, even | published | elastic / bound | colocate / bound | async / bound |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     print()
-    print("| preset (makespan / elastic's) | " + " | ".join(ABLATIONS) + " |")
-    print("|---|" + "---|" * len(ABLATIONS))
+    print("| preset (makespan / elastic's) | " + " | ".join(ABLATIONS)
+          + " | streaming saves over async (published 11.6%) "
+          "| elastic vs colocate-stream (published 1.19x) |")
+    print("|---|" + "---|" * (len(ABLATIONS) + 2))
     print("\n".join(ablation_rows))
 
 
+@functools.lru_cache(maxsize=None)
+def _compare(name: str, overrides: tuple[str, ...]) -> dict:
+    return compare(load_config(preset_path(name), list(overrides)))
+
+
+def assumptions() -> None:
+    print("| assumption | streaming saves over async (published 11.6%) | elastic vs "
+          "colocate-stream (published 1.19x) | elastic vs async-stream | elastic vs async |")
+    print("|---|---|---|---|---|")
+    for label, name, overrides, even in ASSUMPTIONS:
+        out = _compare(name, tuple(overrides))
+        r = {k: v.makespan_s for k, v in out["results"].items()}
+        e = r["elastic"]
+        plain, stream = (r["async-even"], r["async-stream-even"]) if even else (
+            r["async"], r["async-stream"])
+        print(f"| {label} | {1 - stream / plain:.1%} | {r['colocate-stream'] / e:.2f}x | "
+              f"{stream / e:.2f}x | {plain / e:.2f}x |", flush=True)
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["--assumptions"]:
+        assumptions()
+    elif argv[:1] == ["--all"]:  # both, each comparison run once
+        tables(PRESETS)
+        print()
+        assumptions()
+    else:
+        tables(tuple(argv) or PRESETS)
+
+
 if __name__ == "__main__":
-    main(tuple(sys.argv[1:]) or PRESETS)
+    main(sys.argv[1:])
