@@ -206,7 +206,8 @@ def measure(run_dir: Path, cfg: GyreConfig) -> dict:
             "engine_release_s": [e["engine_release_s"] for e in handoffs if "engine_release_s" in e],
             "rebuild_s": [e["rebuild_s"] for e in handoffs if "rebuild_s" in e],
             "engine_start_s": [e["engine_start_s"] for e in handoffs if "engine_start_s" in e],
-            "weight_sync_s": [e["seconds"] for e in events if e["kind"] == "weights_loaded"],
+            "weight_sync_s": [e["seconds"] for e in events
+                              if e["kind"] in ("weights_loaded", "weights_streamed")],
             "optimizer_step_s": [e["seconds"] for e in steps],
             "call_s": [c.t_end - c.t_start for calls in store.runs.values() for c in calls],
             "tokens_per_cell_s": [e["tokens"] / e["seconds"] / max(1, len(e["members"]) // cell_nodes)

@@ -24,7 +24,7 @@ from gyre_slurm.sim.report import ROLE_COLORS
 SPARK = "▁▂▃▄▅▆▇█"
 STRIP_S = 40
 SHOWN_KINDS = ("decision", "handoff", "step", "checkpoint", "resume", "finish", "start",
-               "weights_loaded", *model.FAILURE_KINDS)
+               "weights_loaded", "weights_streamed", *model.FAILURE_KINDS)
 
 
 def role_style(role: str, target: str | None = None) -> str:
