@@ -144,13 +144,17 @@ def _unpack_qkv(t: torch.Tensor, shape: ModelShape, tp_size: int):
     d, rest = shape.head_dim, t.shape[1:]
     groups = shape.num_kv_heads // tp_size
     t = t.reshape(groups, (per_group + 2) * d, *rest)
-    q, k, v = torch.split(t, [per_group * d, d, d], dim=1)
-    return (q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest))
+    q, k, v = torch.split(t, [per_group * d, d, d], dim=1)  # views: strided in t
+    return (q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest))  # copies
 
 
 def _qkv_piece(t: torch.Tensor, shape: ModelShape, tp_size: int, i: int) -> torch.Tensor:
-    """q (0), k (1) or v (2) of this TP rank's linear_qkv rows, copied."""
-    return _unpack_qkv(t, shape, tp_size)[i]
+    """q (0), k (1) or v (2) of this TP rank's linear_qkv rows, copied (only that one)."""
+    per_group = shape.num_heads // shape.num_kv_heads
+    d, rest = shape.head_dim, t.shape[1:]
+    t = t.reshape(shape.num_kv_heads // tp_size, (per_group + 2) * d, *rest)
+    view = torch.split(t, [per_group * d, d, d], dim=1)[i]
+    return view.reshape(-1, *rest)
 
 
 def hf_to_megatron_shard(hf_state: dict[str, torch.Tensor], shape: ModelShape, *,

@@ -127,10 +127,37 @@ def send(group, plan: Plan, held: Mapping[str, tuple[torch.Tensor, int | None]],
                                 "it", target, str(exc)[:200])
                 failed.setdefault(target, str(exc)[:300])
         live = [w for w in live if w not in failed]
-        del keep, works
+        del keep, works, t  # nothing of this bucket outlives it
     return {"bytes": sent, "seconds": time.perf_counter() - t0,
             "failed_targets": {str(k): v for k, v in failed.items()},
             "peak_growth_bytes": peak_rss_growth(baseline)}
+
+
+def _receive_bucket(group, plan: Plan, bucket: int, device: torch.device):
+    """One bucket's tensors, whole: [(hf name, tensor)], and the bytes received."""
+    full: dict[int, torch.Tensor] = {}
+    posts, got = [], 0
+    for piece in plan.bucket_pieces(bucket):
+        if piece.param not in full:
+            full[piece.param] = torch.empty(plan.params[piece.param][1],
+                                            dtype=plan.torch_dtype, device=device)
+        dst = full[piece.param]
+        if piece.dim is not None:
+            dst = dst.narrow(piece.dim, piece.offset, piece.length)
+        tmp = dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype,
+                                                          device=device)
+        posts.append((group.recv(tmp, piece.sender, piece.tag), piece, dst, tmp))
+    for work, piece, dst, tmp in posts:
+        try:
+            group.wait(work)
+        except RuntimeError as exc:
+            raise RuntimeError(f"transfer generation {group.generation}: receiving "
+                               f"{plan.params[piece.param][0]} from rank {piece.sender} "
+                               f"failed: {exc}") from exc
+        if tmp is not dst:
+            dst.copy_(tmp)
+        got += tmp.numel() * tmp.element_size()
+    return [(plan.params[i][0], t) for i, t in full.items()], got
 
 
 def receive(group, plan: Plan, *, load: Callable[[list[tuple[str, torch.Tensor]]], object],
@@ -142,31 +169,9 @@ def receive(group, plan: Plan, *, load: Callable[[list[tuple[str, torch.Tensor]]
     baseline = peak_rss_reset()
     got, t0 = 0, time.perf_counter()
     for bucket in range(len(plan.buckets)):
-        pieces = plan.bucket_pieces(bucket)
-        full: dict[int, torch.Tensor] = {}
-        posts = []
-        for piece in pieces:
-            if piece.param not in full:
-                full[piece.param] = torch.empty(plan.params[piece.param][1],
-                                                dtype=plan.torch_dtype, device=device)
-            dst = full[piece.param]
-            if piece.dim is not None:
-                dst = dst.narrow(piece.dim, piece.offset, piece.length)
-            tmp = dst if dst.is_contiguous() else torch.empty(dst.shape, dtype=dst.dtype,
-                                                              device=device)
-            posts.append((group.recv(tmp, piece.sender, piece.tag), piece, dst, tmp))
-        for work, piece, dst, tmp in posts:
-            try:
-                group.wait(work)
-            except RuntimeError as exc:
-                raise RuntimeError(f"transfer generation {group.generation}: receiving "
-                                   f"{plan.params[piece.param][0]} from rank {piece.sender} "
-                                   f"failed: {exc}") from exc
-            if tmp is not dst:
-                dst.copy_(tmp)
-            got += tmp.numel() * tmp.element_size()
-        del posts
-        load([(plan.params[i][0], t) for i, t in full.items()])
-        del full
+        tensors, n = _receive_bucket(group, plan, bucket, device)
+        got += n
+        load(tensors)
+        del tensors  # nothing of this bucket outlives it (a loop variable would)
     return {"bytes": got, "seconds": time.perf_counter() - t0, "buckets": len(plan.buckets),
             "peak_growth_bytes": peak_rss_growth(baseline)}
