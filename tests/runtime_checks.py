@@ -99,6 +99,18 @@ def check_metrics(run_dir: Path, events: list[dict], *, num_steps: int) -> None:
             assert abs(s.value - m[tag]) <= 1e-6 * max(1.0, abs(m[tag])), (tag, s, m[tag])
 
 
+def committed_microbatches(events: list[dict]) -> list[dict]:
+    """The micro-batch events of the steps each life committed: a resume from version V
+    drops the files of steps >= V (trained again), so their earlier events go too."""
+    out: list[dict] = []
+    for e in events:
+        if e["kind"] == "resume":
+            out = [m for m in out if m["step"] < e["version"]]
+        elif e["kind"] == "microbatch":
+            out.append(e)
+    return out
+
+
 def check_packing(run_dir: Path, events: list[dict]) -> None:
     """Every micro-batch computed what its packing says (config.yaml's
     training.packing): tree, each run's prefix tree once (its tree tokens, no padding),
@@ -110,9 +122,7 @@ def check_packing(run_dir: Path, events: list[dict]) -> None:
     packing = (yaml.safe_load((run_dir / "config.yaml").read_text()).get("training") or {}
                ).get("packing", "tree")
     seen_runs: dict[str, tuple[int, int]] = {}
-    for e in events:
-        if e["kind"] != "microbatch":
-            continue
+    for e in committed_microbatches(events):
         batch = json.loads((run_dir / "stream" /
                             f"step{e['step']:06d}_mb{e['index']:05d}.json").read_text())
         rows = sum(len(t["token_ids"]) for t in batch)

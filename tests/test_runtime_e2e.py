@@ -181,6 +181,11 @@ def test_killed_and_resumed_run_loses_and_repeats_nothing(tmp_path, config):
     resume_at = next(e["version"] for e in events if e["kind"] == "resume")
     assert resume_at >= 2
     assert sorted(set(steps)) == list(range(5))
+    if config == "tiny-vllm-megatron.yaml":  # streamed: no weights file but v0 to resume
+        resumed_at = next(e["t"] for e in events if e["kind"] == "resume")  # from: the
+        joins = [e for e in events if e["kind"] == "weights_streamed"  # servers were sent
+                 and e["why"] == "join" and e["t"] > resumed_at]  # the checkpoint's policy
+        assert joins and joins[0]["version"] == resume_at and not joins[0]["failed"], joins
 
 
 def test_gyre_status_reads_a_run_dir(mode_run, tmp_path, gyre):
