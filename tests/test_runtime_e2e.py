@@ -143,7 +143,8 @@ def test_elastic_moves_cells_both_ways(tmp_path):
 @pytest.mark.parametrize("config", ["tiny.yaml", "tiny-vllm-megatron.yaml"])
 def test_killed_and_resumed_run_loses_and_repeats_nothing(tmp_path, config):
     """SIGKILL of the whole job mid-step, then --resume (with the real engines too: the
-    Megatron state comes back from its dist_checkpointing checkpoint, resharded)."""
+    Megatron state comes back from its dist_checkpointing checkpoint, resharded, and the
+    servers are sent its policy by the streamed weight sync: no weights file but v0)."""
     run_dir = tmp_path / "resume"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     args = [sys.executable, "-m", "gyre_slurm", "run", str(ROOT / "configs" / config),
