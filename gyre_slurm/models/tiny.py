@@ -1,8 +1,10 @@
 """A tiny causal LM and its tokenizer, made locally (nothing is downloaded).
 
 `make_model_dir(path, family=...)` writes a Hugging Face model directory: `config.json` (a
-small Llama, or a Qwen2: the same shape plus biases on q/k/v), the tokenizer (byte-level BPE trained here on a fixed corpus, with a chat
-template) and nothing else; weights live per policy version under
+small model of one of `FAMILIES`: Llama; Qwen2, the same shape plus biases on q/k/v;
+Qwen3, RMS norms on each head's queries and keys instead; Qwen3-MoE, Qwen3 with a
+mixture of experts in every layer, top-k routing, no shared expert), the tokenizer
+(byte-level BPE trained here on a fixed corpus, with a chat template) and nothing else; weights live per policy version under
 `RUN_DIR/weights/vNNNNNN/model.safetensors` (`save_weights`, `load_weights`). The same
 directory serves the embedded rollout engine and the trainer, so both see one model.
 torch and transformers are imported inside the functions: importing this module is free.
@@ -30,25 +32,58 @@ def _corpus() -> list[str]:
     return [words, digits] * 40 + [f"step {i}: {words.split()[i % 20]}" for i in range(200)]
 
 
-FAMILIES = ("llama", "qwen2")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def _family_config(family: str, *, num_experts: int, experts_per_token: int,
+                   moe_ffn_hidden_size: int | None, head_dim: int | None, **common):
+    """The transformers config object of a tiny model of `family`."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+    hidden = common["hidden_size"]
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "qwen2":
+        return Qwen2Config(**common)
+    head_dim = head_dim or hidden // common["num_attention_heads"]
+    if family == "qwen3":
+        return Qwen3Config(head_dim=head_dim, **common)
+    if not 0 < experts_per_token <= num_experts:
+        raise ValueError(f"experts_per_token {experts_per_token} must be in 1..num_experts "
+                         f"({num_experts})")
+    return Qwen3MoeConfig(head_dim=head_dim, num_experts=num_experts,
+                          num_experts_per_tok=experts_per_token, norm_topk_prob=True,
+                          moe_intermediate_size=moe_ffn_hidden_size or hidden // 2,
+                          decoder_sparse_step=1, mlp_only_layers=[], **common)
 
 
 def make_model_dir(path: str | Path, *, vocab_size: int = 512, hidden_size: int = 64,
                    num_layers: int = 2, num_heads: int = 4, num_kv_heads: int | None = None,
-                   max_positions: int = 4096, family: str = "llama") -> Path:
+                   max_positions: int = 4096, family: str = "llama",
+                   head_dim: int | None = None, num_experts: int = 8,
+                   experts_per_token: int = 2,
+                   moe_ffn_hidden_size: int | None = None) -> Path:
     """Write config + tokenizer to `path` (atomically: temp dir, then rename).
 
-    `family`: "llama" (LlamaForCausalLM) or "qwen2" (Qwen2ForCausalLM: q/k/v biases);
+    `family`: one of `FAMILIES` ("llama": LlamaForCausalLM; "qwen2": q/k/v biases;
+    "qwen3": per-head q/k RMS norms, `head_dim` (default hidden_size / num_heads);
+    "qwen3_moe": Qwen3 with `num_experts` experts of `moe_ffn_hidden_size` (default
+    hidden_size / 2) in every layer, `experts_per_token` routed per token).
     `num_kv_heads` < `num_heads` makes grouped-query attention (default: equal)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+    from transformers import PreTrainedTokenizerFast
 
     if family not in FAMILIES:
         raise ValueError(f"model family {family!r}: choose one of {', '.join(FAMILIES)}")
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    if num_heads % num_kv_heads or hidden_size % num_heads:
+    if num_heads % num_kv_heads or (head_dim is None and hidden_size % num_heads):
         raise ValueError(f"hidden_size {hidden_size}, num_heads {num_heads}, num_kv_heads "
                          f"{num_kv_heads}: heads must divide hidden_size, kv heads the heads")
+    if head_dim is not None and family not in ("qwen3", "qwen3_moe"):
+        raise ValueError(f"head_dim is set by hidden_size / num_heads for {family}; an "
+                         "independent head_dim is for qwen3 and qwen3_moe")
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -64,13 +99,18 @@ def make_model_dir(path: str | Path, *, vocab_size: int = 512, hidden_size: int 
                                    eos_token="<|eos|>", pad_token="<|pad|>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(tmp)
-    config_cls = LlamaConfig if family == "llama" else Qwen2Config
-    config = config_cls(vocab_size=len(fast), hidden_size=hidden_size,
-                        intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
-                        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                        max_position_embeddings=max_positions, tie_word_embeddings=False,
-                        bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-                        pad_token_id=fast.pad_token_id, torch_dtype="float32")
+    config = _family_config(
+        family, num_experts=num_experts, experts_per_token=experts_per_token,
+        moe_ffn_hidden_size=moe_ffn_hidden_size, head_dim=head_dim,
+        vocab_size=len(fast), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, max_position_embeddings=max_positions,
+        tie_word_embeddings=False, bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
+        torch_dtype="float32")
+    # what a published checkpoint says, and what vLLM resolves the model class by (from
+    # model_type alone it takes Qwen3Model, an embedding model)
+    config.architectures = [ARCHITECTURES[family]]
     config.save_pretrained(tmp)
     if path.exists():
         shutil.rmtree(path)
@@ -104,9 +144,46 @@ def new_model(model_dir: str | Path, *, seed: int = 0, attn_implementation: str 
     return model.float()
 
 
+def checkpoint_state(model) -> dict:
+    """The model's weights under the names a Hugging Face checkpoint stores them by.
+
+    transformers 5 holds some layers fused in memory (Qwen3-MoE's experts as two 3-D
+    tensors per layer) and writes them per expert, as every published checkpoint (and
+    vLLM's loader) has them; its own `revert_weight_conversion` (what `save_pretrained`
+    calls) does the unfusing. Models without such layers come back unchanged."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, dict(model.state_dict()))
+
+
+_FUSED_EXPERTS = ".mlp.experts.gate_up_proj"
+
+
+def model_state(model, state: dict) -> dict:
+    """A checkpoint's state dict (`checkpoint_state`'s names) in the model's in-memory
+    names: per-expert gate/up/down projections stacked into the fused 3-D tensors
+    transformers holds (`gate_up_proj[e] = [gate_e; up_e]`, `down_proj[e] = down_e`)."""
+    import torch
+
+    out = dict(state)
+    for key, value in model.state_dict().items():
+        if not key.endswith(_FUSED_EXPERTS):
+            continue
+        prefix = key[: -len("gate_up_proj")]
+        names = {p: [f"{prefix}{e}.{p}_proj.weight" for e in range(value.shape[0])]
+                 for p in ("gate", "up", "down")}
+        if not all(n in out for ns in names.values() for n in ns):
+            continue  # already fused (or missing: load_state_dict names what is)
+        out[key] = torch.stack([torch.cat([out.pop(g), out.pop(u)])
+                                for g, u in zip(names["gate"], names["up"])])
+        out[prefix + "down_proj"] = torch.stack([out.pop(d) for d in names["down"]])
+    return out
+
+
 def save_weights(model, out_dir: str | Path) -> Path:
-    """Write `out_dir/model.safetensors` atomically (temp dir, then rename)."""
-    return save_state(model.state_dict(), out_dir)
+    """Write `out_dir/model.safetensors` atomically (temp dir, then rename), in the
+    checkpoint's names (`checkpoint_state`)."""
+    return save_state(checkpoint_state(model), out_dir)
 
 
 def save_state(state, out_dir: str | Path) -> Path:
@@ -175,8 +252,7 @@ def load_weights(model, weights_dir: str | Path) -> None:
     from safetensors.torch import load_file
 
     state = load_file(str(verify_weights(weights_dir)))
-    missing, unexpected = model.load_state_dict(state, strict=True), None
-    del missing, unexpected
+    model.load_state_dict(model_state(model, state), strict=True)
 
 
 def weights_dir(run_dir: str | Path, version: int) -> Path:
@@ -190,7 +266,7 @@ def save_weights_into(model, model_dir: str | Path) -> Path:
 
     path = Path(model_dir) / WEIGHTS_FILE
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in checkpoint_state(model).items()}
     save_file(state, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path)
     return path

@@ -1,7 +1,8 @@
 """A training rank as a process of its own, driven over its stdin and stdout.
 
     PYTHON -m gyre_slurm.train.rankproc --backend torch|megatron --model-dir DIR \
-        --node-index I --local-rank L [--lr --seed --grad-clip --tp --pp --loss JSON]
+        --node-index I --local-rank L [--lr --seed --grad-clip --tp --pp --ep
+        --precision fp32|bf16 --distributed-optimizer true|false --loss JSON]
 
 The node agent starts one per training rank of its node, whatever the trainer (a rank
 blocked in a collective can be killed at once; Megatron-core needs another Python, 3.12
@@ -50,7 +51,9 @@ def make_worker(args):
 
         return MegatronWorker(model_dir=args.model_dir, node_index=args.node_index,
                               lr=args.lr, seed=args.seed, grad_clip=args.grad_clip,
-                              tensor_parallel=args.tp, pipeline_parallel=args.pp, loss=loss)
+                              tensor_parallel=args.tp, pipeline_parallel=args.pp,
+                              expert_parallel=args.ep, precision=args.precision,
+                              distributed_optimizer=args.distributed_optimizer, loss=loss)
     from gyre_slurm.train.worker import TrainerWorker
 
     return TrainerWorker(model_dir=args.model_dir, node_index=args.node_index, lr=args.lr,
@@ -164,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--tp", "--tensor-parallel", dest="tp", type=int, default=1)
     p.add_argument("--pp", "--pipeline-parallel", dest="pp", type=int, default=1)
+    p.add_argument("--ep", "--expert-parallel", dest="ep", type=int, default=1)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--distributed-optimizer", type=lambda v: v.lower() in ("1", "true", "yes"),
+                   default=False, help="true: Megatron's distributed optimizer (megatron)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads")
     p.add_argument("--loss", default=None, help="the loss and its settings, JSON "
                    "(gyre_slurm.train.loss.LossSettings; default ppo_clip)")

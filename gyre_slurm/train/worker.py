@@ -288,8 +288,11 @@ class TrainerWorker(StreamSender):
         return TrainerLayout("replicated", self.world_size)
 
     def hf_pieces(self) -> dict[str, tuple[torch.Tensor, None]]:
-        """The whole model in Hugging Face names (every rank holds all of it)."""
-        return {k: (v.detach(), None) for k, v in self.model.state_dict().items()}
+        """The whole model in Hugging Face checkpoint names (every rank holds all of it;
+        `tiny.checkpoint_state`: Qwen3-MoE's fused experts one by one, as views)."""
+        from gyre_slurm.models.tiny import checkpoint_state
+
+        return {k: (v.detach(), None) for k, v in checkpoint_state(self.model).items()}
 
     # ---- state, digests, checkpoints -------------------------------------------------------
 

@@ -1,17 +1,22 @@
-"""Hugging Face <-> Megatron-core weights for the llama and qwen2 families (pure torch).
+"""Hugging Face <-> Megatron-core weights for every family of `models.shape` (pure torch).
 
-Megatron names (a `GPTModel` with the local layer spec, layers numbered from 0 within
-a pipeline stage) and how each is cut from the Hugging Face tensors:
+Megatron names (a `GPTModel` with the local layer spec, layers numbered from 0 within a
+pipeline stage, experts from 0 within an expert-parallel rank) and how each is cut from
+the Hugging Face tensors, as one table per layer (`layer_rules`):
 
     embedding.word_embeddings.weight     embed_tokens, vocab padded, rows split over TP
     decoder.layers.i.input_layernorm     input_layernorm (replicated)
     ...self_attention.linear_qkv.weight  q/k/v packed per query group: for each KV head g,
                                          [the q heads of g; k_g; v_g]; groups split over TP
     ...self_attention.linear_qkv.bias    the same packing of the q/k/v biases (qwen2)
+    ...self_attention.q_layernorm        q_norm, k_norm (qwen3, qwen3_moe; replicated)
     ...self_attention.linear_proj        o_proj, columns split over TP
     ...pre_mlp_layernorm                 post_attention_layernorm (replicated)
     ...mlp.linear_fc1.weight             per TP shard t: [gate rows of t; up rows of t]
     ...mlp.linear_fc2.weight             down_proj, columns split over TP
+    ...mlp.router.weight                 mlp.gate (qwen3_moe; replicated)
+    ...mlp.experts.local_experts.j.*     mlp.experts.(ep_rank * E / EP + j).* as fc1/fc2
+                                         above (expert tensor parallel is 1: whole)
     decoder.final_layernorm.weight       model.norm (last stage)
     output_layer.weight                  lm_head, vocab padded, rows split over TP
 
@@ -20,9 +25,11 @@ first stage, the final norm and the output layer on the last. The vocabulary is 
 to a multiple of `VOCAB_MULTIPLE` (the same for every layout, so a checkpoint reshards);
 padding rows are zero and are cut off on the way back.
 
-`megatron_shard_to_hf_pieces` turns one rank's shard into Hugging Face-named pieces, each
-with the dimension along which TP shards concatenate (None: replicated), so a full
-Hugging Face state dict is the concatenation of all ranks' pieces (`gather_hf`).
+`megatron_to_hf(name, tensor, ...)` maps ONE parameter shard to its Hugging Face pieces,
+each with the dimension along which TP shards concatenate (None: whole, take one copy:
+replicated parameters, and experts, whole on their EP rank),
+so a streamed weight sync can convert parameter by parameter; `gather_hf` joins every
+rank's pieces into the full state dict.
 """
 
 from __future__ import annotations
@@ -31,85 +38,52 @@ import functools
 import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-VOCAB_MULTIPLE = 128
-FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+from gyre_slurm.models.shape import FAMILIES, VOCAB_MULTIPLE, ModelShape  # noqa: F401
+
 _LAYER = re.compile(r"^(?:model\.layers|decoder\.layers)\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+VOCAB_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    """What the conversion and the model build need from a Hugging Face config.json."""
+class Rule:
+    """One Megatron parameter of a layer: its HF source(s) and how TP cuts it.
+    kind: "whole" (replicated), "rows"/"columns" (split dim 0/1), "qkv" (packed per
+    query group), "gate_up" (per TP shard: [gate rows; up rows])."""
 
-    family: str
-    vocab_size: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float
-    rms_norm_eps: float
-    max_positions: int
-    pad_token_id: int
+    megatron: str
+    hf: tuple[str, ...]
+    kind: str
 
-    @property
-    def qkv_bias(self) -> bool:
-        return self.family == "qwen2"
 
-    @property
-    def padded_vocab_size(self) -> int:
-        return -(-self.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+def layer_rules(shape: ModelShape) -> list[Rule]:
+    """The per-layer table of `shape`'s family (experts: `expert_rules`)."""
+    attn = "self_attn."
+    rules = [Rule("input_layernorm.weight", ("input_layernorm.weight",), "whole"),
+             Rule("self_attention.linear_qkv.weight",
+                  tuple(f"{attn}{p}_proj.weight" for p in "qkv"), "qkv"),
+             Rule("self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), "columns"),
+             Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), "whole")]
+    if shape.qkv_bias:
+        rules.append(Rule("self_attention.linear_qkv.bias",
+                          tuple(f"{attn}{p}_proj.bias" for p in "qkv"), "qkv"))
+    if shape.qk_norm:
+        rules += [Rule("self_attention.q_layernorm.weight", (f"{attn}q_norm.weight",), "whole"),
+                  Rule("self_attention.k_layernorm.weight", (f"{attn}k_norm.weight",), "whole")]
+    if shape.is_moe:
+        rules.append(Rule("mlp.router.weight", ("mlp.gate.weight",), "whole"))
+    else:
+        rules += [Rule("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                       "gate_up"),
+                  Rule("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), "columns")]
+    return rules
 
-    @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> ModelShape:
-        path = Path(model_dir) / "config.json"
-        cfg = json.loads(path.read_text())
-        archs = cfg.get("architectures") or []
-        family = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
-        if family is None:
-            family = {"llama": "llama", "qwen2": "qwen2"}.get(cfg.get("model_type", ""))
-        if family is None:
-            raise ValueError(f"{path}: architectures {archs} / model_type "
-                             f"{cfg.get('model_type')!r}: the Megatron backend supports "
-                             f"{', '.join(sorted(FAMILIES))}")
-        if cfg.get("tie_word_embeddings", False):
-            raise ValueError(f"{path}: tied embeddings are not supported (set "
-                             "tie_word_embeddings false)")
-        heads = int(cfg["num_attention_heads"])
-        scaling = cfg.get("rope_scaling") or None
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"{path}: rope_scaling {scaling} is not supported")
-        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta")
-        return cls(family=family, vocab_size=int(cfg["vocab_size"]),
-                   hidden_size=int(cfg["hidden_size"]),
-                   ffn_hidden_size=int(cfg["intermediate_size"]),
-                   num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
-                   num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                   head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-                   rope_theta=float(theta or 10000.0),
-                   rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                   max_positions=int(cfg.get("max_position_embeddings", 4096)),
-                   pad_token_id=int(cfg.get("pad_token_id") or 0))
 
-    def check_layout(self, tp_size: int, pp_size: int) -> None:
-        """ValueError unless this model can be split over TP x PP."""
-        problems = []
-        if self.num_kv_heads % tp_size:
-            problems.append(f"num_key_value_heads {self.num_kv_heads} % TP {tp_size} != 0")
-        if self.ffn_hidden_size % tp_size:
-            problems.append(f"intermediate_size {self.ffn_hidden_size} % TP {tp_size} != 0")
-        if self.padded_vocab_size % tp_size:
-            problems.append(f"padded vocab {self.padded_vocab_size} % TP {tp_size} != 0")
-        if self.num_layers % pp_size:
-            problems.append(f"num_hidden_layers {self.num_layers} % PP {pp_size} != 0")
-        if problems:
-            raise ValueError(f"cannot split this model over TP={tp_size} x PP={pp_size}: "
-                             + "; ".join(problems))
+EXPERT_RULES = [Rule("linear_fc1.weight", ("gate_proj.weight", "up_proj.weight"), "gate_up"),
+                Rule("linear_fc2.weight", ("down_proj.weight",), "columns")]
 
 
 def stage_layers(shape: ModelShape, pp_rank: int, pp_size: int) -> range:
@@ -117,6 +91,14 @@ def stage_layers(shape: ModelShape, pp_rank: int, pp_size: int) -> range:
     per = shape.num_layers // pp_size
     return range(pp_rank * per, (pp_rank + 1) * per)
 
+
+def rank_experts(shape: ModelShape, ep_rank: int, ep_size: int) -> range:
+    """Global indices of the experts on expert-parallel rank `ep_rank`."""
+    per = shape.num_experts // ep_size
+    return range(ep_rank * per, (ep_rank + 1) * per)
+
+
+# ---- one rule, both directions ------------------------------------------------------------
 
 def _chunk(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     return torch.chunk(t, size, dim=dim)[rank]
@@ -148,6 +130,18 @@ def _unpack_qkv(t: torch.Tensor, shape: ModelShape, tp_size: int):
     return (q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest))  # copies
 
 
+def _to_megatron(rule: Rule, sources: list[torch.Tensor], shape: ModelShape, tp_rank: int,
+                 tp_size: int) -> torch.Tensor:
+    if rule.kind == "whole":
+        return sources[0]
+    if rule.kind in ("rows", "columns"):
+        return _chunk(sources[0], 0 if rule.kind == "rows" else 1, tp_rank, tp_size)
+    if rule.kind == "qkv":
+        return _pack_qkv(*sources, shape, tp_rank, tp_size)
+    gate, up = (_chunk(s, 0, tp_rank, tp_size) for s in sources)
+    return torch.cat([gate, up], dim=0)
+
+
 def _qkv_piece(t: torch.Tensor, shape: ModelShape, tp_size: int, i: int) -> torch.Tensor:
     """q (0), k (1) or v (2) of this TP rank's linear_qkv rows, copied (only that one)."""
     per_group = shape.num_heads // shape.num_kv_heads
@@ -157,32 +151,45 @@ def _qkv_piece(t: torch.Tensor, shape: ModelShape, tp_size: int, i: int) -> torc
     return view.reshape(-1, *rest)
 
 
+def _to_hf(rule: Rule, t: torch.Tensor, shape: ModelShape, tp_size: int,
+           lazy: bool = False) -> list[tuple[torch.Tensor, int | None]]:
+    """(piece, concat dim over TP) for each of `rule.hf`, from one TP shard: views, but
+    q/k/v (strided in the fused tensor: copies; `lazy`: functions that copy)."""
+    if rule.kind == "whole":
+        return [(t, None)]
+    if rule.kind in ("rows", "columns"):
+        return [(t, 0 if rule.kind == "rows" else 1)]
+    if rule.kind == "qkv":
+        if lazy:
+            return [(functools.partial(_qkv_piece, t, shape, tp_size, i), 0) for i in range(3)]
+        return [(p, 0) for p in _unpack_qkv(t, shape, tp_size)]
+    return [(p, 0) for p in torch.chunk(t, 2, dim=0)]
+
+
+# ---- whole shards -------------------------------------------------------------------------
+
 def hf_to_megatron_shard(hf_state: dict[str, torch.Tensor], shape: ModelShape, *,
-                         tp_rank: int, tp_size: int, pp_rank: int,
-                         pp_size: int) -> dict[str, torch.Tensor]:
-    """One (TP, PP) rank's Megatron state dict (its local names) from a full HF state."""
-    shape.check_layout(tp_size, pp_size)
+                         tp_rank: int, tp_size: int, pp_rank: int, pp_size: int,
+                         ep_rank: int = 0, ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """One (TP, PP, EP) rank's Megatron state dict (its local names) from a full HF
+    state (expert tensor parallelism is 1: each expert whole on its EP rank)."""
+    shape.check_layout(tp_size, pp_size, ep_size)
     out: dict[str, torch.Tensor] = {}
     if pp_rank == 0:
         out["embedding.word_embeddings.weight"] = _chunk(
             _pad_vocab(hf_state["model.embed_tokens.weight"], shape), 0, tp_rank, tp_size)
+    rules = layer_rules(shape)
     for local, layer in enumerate(stage_layers(shape, pp_rank, pp_size)):
         hf, mg = f"model.layers.{layer}.", f"decoder.layers.{local}."
-        out[mg + "input_layernorm.weight"] = hf_state[hf + "input_layernorm.weight"]
-        out[mg + "pre_mlp_layernorm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
-        attn = hf + "self_attn."
-        out[mg + "self_attention.linear_qkv.weight"] = _pack_qkv(
-            *(hf_state[f"{attn}{p}_proj.weight"] for p in "qkv"), shape, tp_rank, tp_size)
-        if shape.qkv_bias:
-            out[mg + "self_attention.linear_qkv.bias"] = _pack_qkv(
-                *(hf_state[f"{attn}{p}_proj.bias"] for p in "qkv"), shape, tp_rank, tp_size)
-        out[mg + "self_attention.linear_proj.weight"] = _chunk(
-            hf_state[attn + "o_proj.weight"], 1, tp_rank, tp_size)
-        gate = _chunk(hf_state[hf + "mlp.gate_proj.weight"], 0, tp_rank, tp_size)
-        up = _chunk(hf_state[hf + "mlp.up_proj.weight"], 0, tp_rank, tp_size)
-        out[mg + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
-        out[mg + "mlp.linear_fc2.weight"] = _chunk(
-            hf_state[hf + "mlp.down_proj.weight"], 1, tp_rank, tp_size)
+        for rule in rules:
+            out[mg + rule.megatron] = _to_megatron(
+                rule, [hf_state[hf + n] for n in rule.hf], shape, tp_rank, tp_size)
+        if not shape.is_moe:
+            continue
+        for j, e in enumerate(rank_experts(shape, ep_rank, ep_size)):
+            for rule in EXPERT_RULES:
+                out[f"{mg}mlp.experts.local_experts.{j}.{rule.megatron}"] = _to_megatron(
+                    rule, [hf_state[f"{hf}mlp.experts.{e}.{n}"] for n in rule.hf], shape, 0, 1)
     if pp_rank == pp_size - 1:
         out["decoder.final_layernorm.weight"] = hf_state["model.norm.weight"]
         out["output_layer.weight"] = _chunk(
@@ -190,52 +197,52 @@ def hf_to_megatron_shard(hf_state: dict[str, torch.Tensor], shape: ModelShape, *
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
+def megatron_to_hf(name: str, tensor: torch.Tensor, shape: ModelShape, *, tp_size: int,
+                   pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1,
+                   lazy: bool = False) -> dict[str, tuple[torch.Tensor, int | None]]:
+    """One Megatron parameter shard -> {hf_name: (piece, concat dim over TP or None)}.
+
+    Vocabulary pieces (`VOCAB_NAMES`) still hold the padding rows: `gather_hf` cuts
+    them once the TP pieces are joined. KeyError for a name no rule knows."""
+    if name == "embedding.word_embeddings.weight":
+        return {"model.embed_tokens.weight": (tensor, 0)}
+    if name == "output_layer.weight":
+        return {"lm_head.weight": (tensor, 0)}
+    if name == "decoder.final_layernorm.weight":
+        return {"model.norm.weight": (tensor, None)}
+    m = _LAYER.match(name)
+    if m is None:
+        raise KeyError(f"unknown Megatron parameter {name!r}")
+    hf = f"model.layers.{int(m.group(1)) + stage_layers(shape, pp_rank, pp_size).start}."
+    rest, rules, tp = m.group(2), layer_rules(shape), tp_size
+    e = _EXPERT.match(rest)
+    if e is not None and shape.is_moe:  # whole on its EP rank (expert TP 1): dim None
+        expert = rank_experts(shape, ep_rank, ep_size)[int(e.group(1))]
+        rule = next((r for r in EXPERT_RULES if r.megatron == e.group(2)), None)
+        if rule is None:
+            raise KeyError(f"unknown Megatron parameter {name!r} for a {shape.family} model")
+        return {f"{hf}mlp.experts.{expert}.{n}": (piece, None)
+                for n, (piece, _) in zip(rule.hf, _to_hf(rule, tensor, shape, 1))}
+    rule = next((r for r in rules if r.megatron == rest), None)
+    if rule is None:
+        raise KeyError(f"unknown Megatron parameter {name!r} for a {shape.family} model")
+    return {hf + n: piece for n, piece in zip(rule.hf, _to_hf(rule, tensor, shape, tp, lazy))}
+
+
 def megatron_shard_to_hf_pieces(shard: dict[str, torch.Tensor], shape: ModelShape, *,
-                                tp_size: int, pp_rank: int, pp_size: int,
+                                tp_size: int, pp_rank: int, pp_size: int, ep_rank: int = 0,
+                                ep_size: int = 1,
                                 lazy: bool = False) -> dict[str, tuple[torch.Tensor, int | None]]:
     """One rank's Megatron shard -> {hf_name: (piece, concat dim over TP or None)}. Every
     piece is a view of the shard but q/k/v, which are strided in the fused tensor and
     copied; `lazy`: those come as functions that make the copy when called (the
     streamed sync calls them bucket by bucket, so a rank never holds all the copies)."""
-    offset = stage_layers(shape, pp_rank, pp_size).start
     out: dict[str, tuple[torch.Tensor, int | None]] = {}
     for name, t in shard.items():
-        if name.endswith("_extra_state"):
-            continue
-        if name == "embedding.word_embeddings.weight":
-            out["model.embed_tokens.weight"] = (t, 0)
-            continue
-        if name == "output_layer.weight":
-            out["lm_head.weight"] = (t, 0)
-            continue
-        if name == "decoder.final_layernorm.weight":
-            out["model.norm.weight"] = (t, None)
-            continue
-        m = _LAYER.match(name)
-        if m is None:
-            raise KeyError(f"unknown Megatron parameter {name!r}")
-        hf = f"model.layers.{int(m.group(1)) + offset}."
-        rest = m.group(2)
-        if rest == "input_layernorm.weight":
-            out[hf + "input_layernorm.weight"] = (t, None)
-        elif rest == "pre_mlp_layernorm.weight":
-            out[hf + "post_attention_layernorm.weight"] = (t, None)
-        elif rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-            kind = rest.rsplit(".", 1)[1]
-            for i, p in enumerate("qkv"):
-                piece = (functools.partial(_qkv_piece, t, shape, tp_size, i) if lazy
-                         else _unpack_qkv(t, shape, tp_size)[i])
-                out[f"{hf}self_attn.{p}_proj.{kind}"] = (piece, 0)
-        elif rest == "self_attention.linear_proj.weight":
-            out[hf + "self_attn.o_proj.weight"] = (t, 1)
-        elif rest == "mlp.linear_fc1.weight":
-            gate, up = torch.chunk(t, 2, dim=0)
-            out[hf + "mlp.gate_proj.weight"] = (gate, 0)
-            out[hf + "mlp.up_proj.weight"] = (up, 0)
-        elif rest == "mlp.linear_fc2.weight":
-            out[hf + "mlp.down_proj.weight"] = (t, 1)
-        else:
-            raise KeyError(f"unknown Megatron parameter {name!r}")
+        if not name.endswith("_extra_state"):
+            out.update(megatron_to_hf(name, t, shape, tp_size=tp_size, pp_rank=pp_rank,
+                                      pp_size=pp_size, ep_rank=ep_rank, ep_size=ep_size,
+                                      lazy=lazy))
     return out
 
 
@@ -268,7 +275,7 @@ def gather_hf(pieces_by_rank: list[dict[str, tuple[torch.Tensor, int | None]]],
               tp_ranks: list[int], shape: ModelShape) -> dict[str, torch.Tensor]:
     """Full HF state from every rank's pieces; `tp_ranks[i]` is the TP rank of entry i.
 
-    Pieces of one name concatenate in TP-rank order; a replicated piece is taken once."""
+    Pieces of one name concatenate in TP-rank order; a whole piece is taken once."""
     by_name: dict[str, dict[int, tuple[torch.Tensor, int | None]]] = {}
     for tp_rank, pieces in zip(tp_ranks, pieces_by_rank):
         for name, piece in pieces.items():
@@ -281,36 +288,44 @@ def gather_hf(pieces_by_rank: list[dict[str, tuple[torch.Tensor, int | None]]],
         dim = dims.pop()
         ordered = [parts[r][0] for r in sorted(parts)]
         full = ordered[0] if dim is None else torch.cat(ordered, dim=dim)
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in VOCAB_NAMES:
             full = full[:shape.vocab_size]
         out[name] = full.detach().clone().contiguous()
     return out
 
 
-def megatron_shards_to_hf(shards: dict[tuple[int, int], dict[str, torch.Tensor]],
-                          shape: ModelShape, *, tp_size: int,
-                          pp_size: int) -> dict[str, torch.Tensor]:
-    """Full HF state from all shards {(tp_rank, pp_rank): megatron shard}."""
+def megatron_shards_to_hf(shards: dict[tuple, dict[str, torch.Tensor]], shape: ModelShape,
+                          *, tp_size: int, pp_size: int,
+                          ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """Full HF state from all shards {(tp_rank, pp_rank[, ep_rank]): megatron shard}."""
     keys = sorted(shards)
     pieces = [megatron_shard_to_hf_pieces(shards[k], shape, tp_size=tp_size, pp_rank=k[1],
-                                          pp_size=pp_size) for k in keys]
+                                          pp_size=pp_size, ep_rank=k[2] if len(k) > 2 else 0,
+                                          ep_size=ep_size) for k in keys]
     return gather_hf(pieces, [k[0] for k in keys], shape)
 
 
 def gather_hf_state(local: dict[str, torch.Tensor], shape: ModelShape, *, tp_rank: int,
                     tp_size: int, pp_rank: int, pp_size: int, dp_rank: int, rank: int,
-                    world_size: int) -> dict[str, torch.Tensor] | None:
+                    world_size: int, ep_rank: int = 0, ep_size: int = 1,
+                    edp_rank: int | None = None) -> dict[str, torch.Tensor] | None:
     """The file publish path: every rank's shard (`local`, Megatron names) gathered into
     the full model in Hugging Face names on rank 0 (None elsewhere). Collective over the
-    default group; replicas other than data-parallel rank 0 send nothing. Here rather
-    than in worker.py: tools/bench_weightsync.py runs it without megatron-core."""
+    default group; replicas other than data-parallel rank 0 send nothing of the dense
+    parameters, and of the experts (EP rank `ep_rank` of `ep_size`) ranks other than
+    expert-data-parallel rank 0 (`edp_rank`; with EP the experts of one replica may sit
+    on other data-parallel ranks). Here rather than in worker.py:
+    tools/bench_weightsync.py runs it without megatron-core."""
     from gyre_slurm.train import dist as gdist
 
+    edp_rank = dp_rank if edp_rank is None else edp_rank
+    keep = {k: v.detach().cpu() for k, v in local.items()
+            if (edp_rank if ".mlp.experts." in k else dp_rank) == 0}
     mine = b""
-    if dp_rank == 0:
+    if keep:
         mine = pack_pieces(tp_rank, megatron_shard_to_hf_pieces(
-            {k: v.detach().cpu() for k, v in local.items()}, shape, tp_size=tp_size,
-            pp_rank=pp_rank, pp_size=pp_size))
+            keep, shape, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
+            ep_rank=ep_rank, ep_size=ep_size))
     parts = gdist.gather_bytes(mine, dst=0) if world_size > 1 else [mine]
     if rank != 0:
         return None

@@ -11,7 +11,21 @@ calls work on CPU:
 - `torch.cuda.synchronize`, `current_device`, `set_device` become CPU stand-ins, and the
   CUDA RNG functions (torch's and Megatron's `_get_cuda_rng_state`/`_set_cuda_rng_state`)
   read and write the CPU generator. `torch.cuda.manual_seed(_all)` become no-ops (making
-  them seed the CPU generator recurses through torch's own seeding).
+  them seed the CPU generator recurses through torch's own seeding);
+- streams and events (`current_stream`, `Stream`, `stream(...)`, `Event`; the DDP
+  gradient buffers order their collectives with them) become objects whose waits and
+  records do nothing: on CPU every operation is synchronous;
+- the MoE token dispatcher's device-to-host copy of the all-to-all split sizes
+  (`moe_utils.maybe_move_tensor_to_cpu`, which converts only CUDA tensors, to numpy)
+  converts CPU tensors too: `all_to_all_single` takes the sizes as a sequence;
+- `tensor.type()` names a CPU tensor as its CUDA twin (`torch.cuda.BFloat16Tensor`):
+  Megatron's mixed-precision and distributed optimizers sort parameters by those names
+  and refuse any other.
+
+The collectives themselves need nothing: gloo in torch 2.13 has every one Megatron's
+DDP, distributed optimizer, sequence parallelism and expert all-to-all call
+(`reduce_scatter_tensor`, `all_gather_into_tensor` in bf16 and fp32,
+`all_to_all_single`, `ReduceOp.AVG`, coalesced calls).
 
 `activate()` does nothing when `torch.cuda.is_available()`: the shim is never used on a
 GPU, where Megatron runs as shipped. It is idempotent.
@@ -45,7 +59,50 @@ class _CudaToCpu(TorchFunctionMode):
             kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], _CPU, *args[2:])
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs \
+                and isinstance(out, str) and out.startswith("torch.") and ".cuda." not in out:
+            return "torch.cuda." + out[len("torch."):]
+        return out
+
+
+class _Stream:
+    """A CPU stand-in for a CUDA stream or event: every wait and record is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs) -> None:
+        return None
+
+    def wait_stream(self, *args, **kwargs) -> None:
+        return None
+
+    def record_event(self, *args, **kwargs):
+        return _Stream()
+
+    def record(self, *args, **kwargs) -> None:
+        return None
+
+    def wait(self, *args, **kwargs) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _StreamContext:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
 
 
 # Each patched name gets its own function object: torch.compile's rule table (built on
@@ -69,6 +126,13 @@ def _noop(*args, **kwargs) -> None:
     return None
 
 
+def _move_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    if torch.is_tensor(tensor):
+        tensor = tensor.cpu()
+        return tensor.numpy() if as_numpy else tensor
+    return tensor
+
+
 def activate() -> bool:
     """Install the shim (once) when no GPU is available. Returns whether it is active."""
     global _active
@@ -86,7 +150,20 @@ def activate() -> bool:
         module.manual_seed_all = _stand_in(_noop)
     torch.cuda.synchronize = _stand_in(_noop)
     torch.cuda.set_device = _stand_in(_noop)
-    torch.cuda.current_device = _stand_in(lambda: 0)
+    # a device object, not the index 0: a bare index means cuda:0 wherever the mode is
+    # not in effect (autograd runs custom backward functions outside it)
+    torch.cuda.current_device = _stand_in(lambda: _CPU)
+    torch.cuda.current_stream = _stand_in(lambda *a, **k: _Stream())
+    torch.cuda.default_stream = _stand_in(lambda *a, **k: _Stream())
+    torch.cuda.is_current_stream_capturing = _stand_in(lambda: False)
+    torch.cuda.empty_cache = _stand_in(_noop)
+    torch.cuda.Stream = _Stream
+    torch.cuda.Event = _Stream
+    torch.cuda.stream = _StreamContext
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    for module in (moe_utils, token_dispatcher):
+        module.maybe_move_tensor_to_cpu = _move_to_cpu
     mrandom._get_cuda_rng_state = _stand_in(_get_rng)
     mrandom._set_cuda_rng_state = _stand_in(_set_rng)
     _active = _CudaToCpu()

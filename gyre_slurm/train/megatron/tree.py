@@ -19,6 +19,7 @@ position (its depth in its tree) while a tree batch runs.
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 
 import torch
@@ -111,3 +112,21 @@ def schedule_batches(trajs: list, packing: str, *, pipelined: bool, pad_id: int,
         b["pad"] = b["fed"] - sum(len(t["token_ids"]) for t in trajs[i:i + size])
         batches.append(b)
     return batches, rows["token_ids"].shape[1], size
+
+
+def pad_tree(tree: TreeInputs, extra: int, *, pad_id: int) -> TreeInputs:
+    """`tree` with `extra` padding tokens appended (sequence parallelism needs a length
+    divisible by TP): isolated nodes at position 0, each attending only itself
+    (`subtree_end` = its own index + 1); no path owns them (the paths kernel leaves
+    their attention zero), no entry reads their logits and no real token attends to
+    them, so they change nothing but the work."""
+    if extra <= 0:
+        return tree
+    n, device = tree.num_tokens, tree.token_ids.device
+    fill = torch.full((1, extra), pad_id, dtype=tree.token_ids.dtype, device=device)
+    return dataclasses.replace(
+        tree, token_ids=torch.cat([tree.token_ids, fill], dim=1),
+        position_ids=torch.cat([tree.position_ids, torch.zeros_like(fill)], dim=1),
+        subtree_end=torch.cat([tree.subtree_end,
+                               torch.arange(n + 1, n + extra + 1, device=device)]),
+        _cache={})

@@ -1,22 +1,24 @@
 """`MegatronWorker`: the Megatron-core training backend, with `TrainerWorker`'s API.
 
-One per node (or local process), long-lived; every rebuild of the world builds a new
-`GPTModel` for the new layout (TP x PP, data-parallel over the rest) and the state
-crosses the rebuild through a `dist_checkpointing` checkpoint, which reshards it:
+One per rank process, long-lived; every rebuild of the world builds a new `GPTModel`
+for the new layout (TP x PP x EP, data-parallel over the rest; `build.Layout`) with
+Megatron's DDP wrapper and optimizer (fp32, or bf16 with fp32 master weights and
+moments; optionally the distributed optimizer, which shards those over the
+data-parallel ranks). The state crosses the rebuild through a `dist_checkpointing`
+checkpoint, which reshards it (`state`):
 
 1. every member of the OLD world calls `save_checkpoint(path)` (collective): model,
-   AdamW moments (sharded like their parameters), step count, policy version and the
-   gradients accumulated since the last step (summed over data-parallel replicas, so a
-   world may end mid-step);
-2. members that go away call `leave()`; `flush()` is a no-op (the DP sum happens in
-   the save);
+   optimizer state, policy version and the gradients accumulated since the last step
+   (consolidated: each sum on one rank of its group, so a world may end mid-step);
+2. members that go away call `leave()`; `flush()` is a no-op (the sums happen in the
+   save);
 3. every member of the NEW world calls `join(spec, rank, checkpoint=path)`: old Megatron
    state and group destroyed, generation `spec.generation` joined through
    `gyre_slurm.train.dist.join_world`, model parallelism initialised, a model built for
-   the new layout and the checkpoint loaded into it. The accumulated gradients land on
-   data-parallel rank 0 (zero elsewhere): the sum over DP ranks stays the step's gradient.
+   the new layout and the checkpoint loaded into it, resharded over TP, PP, EP and DP.
 
-Rank layout (Megatron's "tp-cp-ep-dp-pp" order): rank = tp + TP * (dp + DP * pp).
+Rank layout (Megatron's "tp-cp-ep-dp-pp" order): rank = tp + TP * (dp + DP * pp); the
+experts: rank = ep + EP * (edp + EDP * pp) within a stage (expert TP is 1).
 `train_microbatch` takes this replica's shard (tree packing: whole runs,
 `treepack.assign_runs`; rows: trajectories `mb[dp_rank::dp_size]`); every TP/PP rank of
 a data-parallel replica runs the same shard through `get_forward_backward_func()` (1F1B
@@ -24,11 +26,10 @@ over the stages when PP > 1). Tree-packed sequences go through `GPTModel` with t
 mask as the attention mask (`train/megatron/tree.py`: core attention, RoPE positions).
 Logits are gathered over TP (`parallel_output=False`) and the loss (`loss.kind`) and its
 signals are `gyre_slurm.train.signals.loss_and_signals` (tree: `train.tree`) on the
-full, unpadded vocabulary, as in the torch backend. Gradients accumulate in one flat
-buffer per rank;
-`optimizer_step` sums it over DP, divides by `num_step_tokens` if given, clips by the
-global norm (TP-duplicated parameters counted once, all stages) and steps a plain torch
-AdamW over this rank's parameters.
+full, unpadded vocabulary, as in the torch backend. Gradients accumulate in the DDP
+buffers (fp32); `optimizer_step` finishes them with Megatron's `finalize_model_grads`
+(sum over DP), divides by `num_step_tokens` if given, clips by the global norm and steps
+AdamW (weight decay 0.01 on every parameter, as torch's AdamW in the torch backend).
 
 Statistics (`tokens`, `loss_sum`, the mismatch sums of `gyre_slurm.train.signals`, ...)
 are reported by one rank per data-parallel replica (TP rank 0 of the last stage, which
@@ -42,6 +43,7 @@ calls run on CPU; on a GPU it does nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -55,18 +57,19 @@ import torch
 import torch.distributed as dist
 
 from gyre_slurm.models import tiny
+from gyre_slurm.models.shape import ModelShape
+from gyre_slurm.models.weights import HFWeights
 from gyre_slurm.train import dist as gdist
 from gyre_slurm.train.dist import WorldSpec
 from gyre_slurm.train.loss import LossSettings, token_logprobs
 from gyre_slurm.train.metrics import merge_all
 from gyre_slurm.train.signals import loss_and_signals
-from gyre_slurm.train.megatron import convert
-from gyre_slurm.train.megatron.convert import ModelShape
-from gyre_slurm.train.megatron.tree import schedule_batches
+from gyre_slurm.train.megatron import build, convert, state
+from gyre_slurm.train.megatron.build import Layout
+from gyre_slurm.train.megatron.tree import pad_tree, schedule_batches
 from gyre_slurm.train.tree import tree_loss_and_signals
-from gyre_slurm.traj import treepack
-from gyre_slurm.train.worker import flat_grads_and_adamw
 from gyre_slurm.train.wsync.endpoint import StreamSender
+from gyre_slurm.traj import treepack
 
 logger = logging.getLogger(__name__)
 
@@ -90,30 +93,42 @@ def _sharded_sync_writes() -> None:
 class MegatronWorker(StreamSender):
     def __init__(self, *, model_dir: Path, node_index: int, lr: float = 1e-3, seed: int = 0,
                  grad_clip: float = 1.0, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                 loss: LossSettings | dict | None = None):
+                 expert_parallel: int = 1, precision: str = "fp32",
+                 distributed_optimizer: bool = False, loss: LossSettings | dict | None = None):
         from gyre_slurm.train.megatron import cpu_shim
 
-        if tensor_parallel < 1 or pipeline_parallel < 1:
-            raise ValueError(f"tensor_parallel {tensor_parallel} and pipeline_parallel "
-                             f"{pipeline_parallel} must be >= 1")
         self.model_dir = Path(model_dir)
         self.shape = ModelShape.from_model_dir(self.model_dir)
-        self.shape.check_layout(tensor_parallel, pipeline_parallel)
+        self.layout = Layout(tp=tensor_parallel, pp=pipeline_parallel, ep=expert_parallel,
+                             precision=precision,
+                             distributed_optimizer=bool(distributed_optimizer))
+        self.shape.check_layout(self.layout.tp, self.layout.pp, self.layout.ep)
         self.node_index = node_index
         self.lr, self.seed, self.grad_clip = lr, seed, grad_clip
         self.loss = loss if isinstance(loss, LossSettings) else LossSettings(**(loss or {}))
-        self.tp, self.pp = tensor_parallel, pipeline_parallel
         self.version = 0
         self.spec: WorldSpec | None = None
         self.rank: int | None = None
-        self.model = None
-        self.optimizer: torch.optim.AdamW | None = None
-        self._params: list[torch.nn.Parameter] = []
-        self._grads: torch.Tensor | None = None
+        self.core = None  # the GPTModel of this rank's stage
+        self.ddp = None  # the DistributedDataParallel around it (what runs)
+        self.optimizer = None  # Megatron's optimizer over the DDP buffers
         cpu_shim.activate()
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if torch.cuda.is_available() else torch.device("cpu")
         _sharded_sync_writes()
+
+    @property
+    def model(self):
+        """The GPTModel of this rank's stage (None outside a world)."""
+        return self.core
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
 
     # ---- layout -----------------------------------------------------------------------
 
@@ -121,14 +136,17 @@ class MegatronWorker(StreamSender):
     def world_size(self) -> int:
         return self.spec.world_size if self.spec is not None else 1
 
-    def layout(self) -> dict[str, int]:
-        """This rank's coordinates: tp/pp/dp rank and size."""
+    def layout_info(self) -> dict[str, Any]:
+        """This rank's coordinates (tp/pp/dp/ep rank and size) and the precision."""
         from megatron.core import parallel_state as ps
 
         return {"tp_rank": ps.get_tensor_model_parallel_rank(), "tp_size": self.tp,
                 "pp_rank": ps.get_pipeline_model_parallel_rank(), "pp_size": self.pp,
                 "dp_rank": ps.get_data_parallel_rank(),
-                "dp_size": ps.get_data_parallel_world_size()}
+                "dp_size": ps.get_data_parallel_world_size(),
+                "ep_rank": ps.get_expert_model_parallel_rank(), "ep_size": self.layout.ep,
+                "precision": self.layout.precision,
+                "distributed_optimizer": self.layout.distributed_optimizer}
 
     def _is_reporter(self) -> bool:
         """TP rank 0 of the last stage: reports this data-parallel replica's stats."""
@@ -138,75 +156,38 @@ class MegatronWorker(StreamSender):
 
     # ---- building and freeing -------------------------------------------------------
 
-    def _transformer_config(self):
-        from megatron.core.transformer import TransformerConfig
+    def _build(self, init_weights: Path | None) -> None:
+        """This layout's model (Megatron's initialisation, or `init_weights`), its DDP
+        wrapper and optimizer (AdamW state made now: see state.init_adam_state)."""
+        from gyre_slurm.train.megatron.tree import TreePositions
 
-        s = self.shape
-        config = TransformerConfig(
-            num_layers=s.num_layers, hidden_size=s.hidden_size,
-            num_attention_heads=s.num_heads, num_query_groups=s.num_kv_heads,
-            kv_channels=s.head_dim, ffn_hidden_size=s.ffn_hidden_size,
-            tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
-            normalization="RMSNorm", layernorm_epsilon=s.rms_norm_eps,
-            gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-            add_bias_linear=False, add_qkv_bias=s.qkv_bias,
-            hidden_dropout=0.0, attention_dropout=0.0,
-            use_cpu_initialization=self.device.type == "cpu",
-            bias_activation_fusion=False, masked_softmax_fusion=False,
-            persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-            gradient_accumulation_fusion=False, cross_entropy_loss_fusion=False,
-            params_dtype=torch.float32, pipeline_dtype=torch.float32,
-            attention_softmax_in_fp32=True, calculate_per_token_loss=True)
-        # Tree-packed micro-batches differ in length: the pipeline stages exchange shapes.
-        # Set after construction: the config refuses it whenever the MoE dispatcher is
-        # "allgather", its default even for dense models, where no dispatcher runs.
-        config.variable_seq_lengths = self.pp > 1
-        return config
-
-    def _build(self) -> None:
-        from megatron.core import parallel_state as ps
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        from gyre_slurm.train.megatron.tree import TreePositions, with_tree_attention
-
-        s = self.shape
-        model = GPTModel(
-            config=self._transformer_config(),
-            transformer_layer_spec=with_tree_attention(
-                get_gpt_layer_local_spec(normalization="RMSNorm")),
-            vocab_size=s.padded_vocab_size, max_sequence_length=s.max_positions,
-            pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-            parallel_output=False, share_embeddings_and_output_weights=False,
-            position_embedding_type="rope", rotary_base=int(s.rope_theta))
-        self.model = model.to(self.device).train()
-        self._positions = TreePositions(self.model)
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self._grads, self.optimizer = flat_grads_and_adamw(self._params, lr=self.lr)
+        self.core = build.build_core(self.shape, self.layout, device=self.device)
+        self._positions = TreePositions(self.core)
+        if init_weights is not None:
+            self._load_hf(Path(init_weights))
+        self.ddp, self.optimizer = build.wrap(self.core, self.layout, lr=self.lr,
+                                              grad_clip=self.grad_clip)
+        state.init_adam_state(self.optimizer)
+        self.ddp.train()
 
     def _free(self) -> None:
-        for p in self._params:
-            p.grad = None
-        self.model = self.optimizer = self._grads = None
-        self._params = []
+        self.core = self.ddp = self.optimizer = None
         self.version = 0
 
     def _load_hf(self, weights_dir: Path) -> None:
-        from safetensors.torch import load_file
-
         from megatron.core import parallel_state as ps
 
-        hf = load_file(str(Path(weights_dir) / tiny.WEIGHTS_FILE))
         shard = convert.hf_to_megatron_shard(
-            hf, self.shape, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=self.tp,
-            pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=self.pp)
-        own = {k for k in self.model.state_dict() if not k.endswith("_extra_state")}
+            HFWeights(weights_dir), self.shape, tp_rank=ps.get_tensor_model_parallel_rank(),
+            tp_size=self.tp, pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=self.pp,
+            ep_rank=ps.get_expert_model_parallel_rank(), ep_size=self.layout.ep)
+        own = {k for k in self.core.state_dict() if not k.endswith("_extra_state")}
         if set(shard) != own:
             raise ValueError(f"{weights_dir}: converted names differ from the model's: "
                              f"missing {sorted(own - set(shard))}, extra "
                              f"{sorted(set(shard) - own)}")
         with torch.no_grad():
-            params = dict(self.model.named_parameters())
+            params = dict(self.core.named_parameters())
             for name, value in shard.items():
                 if params[name].shape != value.shape:
                     raise ValueError(f"{weights_dir}: {name} has shape {tuple(value.shape)}, "
@@ -218,30 +199,33 @@ class MegatronWorker(StreamSender):
     def join(self, spec: WorldSpec, rank: int, *, src_rank: int = 0,
              init_weights: Path | None = None, checkpoint: Path | None = None,
              timeout_s: float = 120.0, tensor_parallel: int | None = None,
-             pipeline_parallel: int | None = None) -> dict[str, float]:
+             pipeline_parallel: int | None = None, expert_parallel: int | None = None,
+             precision: str | None = None,
+             distributed_optimizer: bool | None = None) -> dict[str, float]:
         """Join world `spec` as `rank` and build this layout's model.
 
         State comes from `checkpoint` (a `save_checkpoint` directory, resharded to this
-        layout) or else `init_weights` (a dir with model.safetensors in Hugging Face
-        names); with neither, Megatron's own initialisation (seeded; depends on the
-        layout). `src_rank` is accepted for API compatibility and ignored: state always
-        travels through the checkpoint. `tensor_parallel` / `pipeline_parallel`, when
-        given, change the layout from this world on (all members must agree). Returns
-        {"destroy_s", "init_s", "mp_init_s", "build_s", "load_s"}."""
+        layout) or else `init_weights` (a Hugging Face weights dir: model.safetensors or
+        sharded with an index); with neither, Megatron's own initialisation (seeded;
+        depends on the layout). `src_rank` is accepted for API compatibility and
+        ignored: state always travels through the checkpoint. `tensor_parallel`,
+        `pipeline_parallel`, `expert_parallel`, `precision`, `distributed_optimizer`,
+        when given, change the layout from this world on (all members must agree; a
+        checkpoint loads into any of them). Returns {"destroy_s", "init_s",
+        "mp_init_s", "build_s", "load_s"}."""
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         del src_rank
-        tp = self.tp if tensor_parallel is None else int(tensor_parallel)
-        pp = self.pp if pipeline_parallel is None else int(pipeline_parallel)
-        if tp < 1 or pp < 1:
-            raise ValueError(f"tensor_parallel {tp} and pipeline_parallel {pp} must be >= 1")
-        self.shape.check_layout(tp, pp)
-        self.tp, self.pp = tp, pp
-        if spec.world_size % (self.tp * self.pp):
-            raise ValueError(f"a world of {spec.world_size} ranks cannot hold tensor_parallel "
-                             f"{self.tp} x pipeline_parallel {self.pp} (world size must be a "
-                             "multiple of TP * PP)")
+        changes = {k: int(v) for k, v in (("tp", tensor_parallel), ("pp", pipeline_parallel),
+                                          ("ep", expert_parallel)) if v is not None}
+        if precision is not None:
+            changes["precision"] = precision
+        if distributed_optimizer is not None:
+            changes["distributed_optimizer"] = bool(distributed_optimizer)
+        layout = dataclasses.replace(self.layout, **changes)
+        layout.check(self.shape, spec.world_size)
+        self.layout = layout
         self.spec, self.rank = None, None
         self.wsync_leave()  # a transfer group is of one world's layout
         self._free()
@@ -252,15 +236,15 @@ class MegatronWorker(StreamSender):
         times["destroy_s"] += mp_destroy_s
         self.spec, self.rank = spec, rank
         t1 = time.perf_counter()
-        ps.initialize_model_parallel(self.tp, self.pp, create_gloo_process_groups=False)
+        ps.initialize_model_parallel(self.tp, self.pp, expert_model_parallel_size=layout.ep,
+                                     expert_tensor_parallel_size=1,
+                                     create_gloo_process_groups=False)
         model_parallel_cuda_manual_seed(self.seed)
         t2 = time.perf_counter()
-        self._build()
+        self._build(None if checkpoint is not None else init_weights)
         t3 = time.perf_counter()
         if checkpoint is not None:
             self.load_checkpoint(Path(checkpoint))
-        elif init_weights is not None:
-            self._load_hf(Path(init_weights))
         times.update(mp_init_s=t2 - t1, build_s=t3 - t2, load_s=time.perf_counter() - t3)
         return times
 
@@ -292,6 +276,8 @@ class MegatronWorker(StreamSender):
         batches, seq, size = schedule_batches(
             trajs, treepack.check_packing(packing), pipelined=self.pp > 1,
             pad_id=self.shape.pad_token_id, device=self.device)
+        if self.layout.sequence_parallel(self.shape):
+            batches, seq = self._pad_for_sequence_parallel(batches)
         vocab = self.shape.vocab_size
 
         def forward_step(data_iterator, model):
@@ -314,12 +300,37 @@ class MegatronWorker(StreamSender):
 
             return output, loss_func
 
-        self.model.train(not forward_only)
+        self.ddp.train(not forward_only)
         out = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
+            forward_step_func=forward_step, data_iterator=iter(batches), model=[self.ddp],
             num_microbatches=len(batches), seq_length=seq, micro_batch_size=size,
             forward_only=forward_only)
         return list(out or [])
+
+    def _pad_for_sequence_parallel(self, batches: list[dict]) -> tuple[list[dict], int]:
+        """With sequence parallelism each TP rank holds an equal slice of the sequence:
+        lengths are padded on to a multiple of TP. Padding comes after every real token
+        and outside the loss (rows: mask 0; trees: isolated nodes nothing attends to and
+        no entry reads), so it changes nothing but the work."""
+        pad_id, tp = self.shape.pad_token_id, self.tp
+        fill = {"token_ids": pad_id, "loss_mask": 0, "logprobs": 0.0, "versions": -1}
+        out = []
+        for b in batches:
+            if "tree" in b:
+                out.append({"tree": pad_tree(b["tree"], -b["tree"].num_tokens % tp,
+                                             pad_id=pad_id)})
+                continue
+            extra = -b["token_ids"].shape[1] % tp
+            b = dict(b)
+            for key, value in fill.items():
+                if extra and key in b:
+                    b[key] = torch.nn.functional.pad(b[key], (0, extra), value=value)
+            b["pad"] += extra * b["token_ids"].shape[0]
+            b["fed"] += extra * b["token_ids"].shape[0]
+            out.append(b)
+        seq = max(b["tree"].num_tokens if "tree" in b else b["token_ids"].shape[1]
+                  for b in out)
+        return out, seq
 
     def _tree_step(self, tree, model, num_step_tokens: int):
         """One tree-packed sequence through this stage (RoPE at the tokens' depths, the
@@ -356,8 +367,6 @@ class MegatronWorker(StreamSender):
             return {"trajectories": 0, "tokens": 0}
         results = self._run(shard, num_step_tokens=num_step_tokens, forward_only=False,
                             packing=packing)
-        if self._params and self._params[0].grad.data_ptr() != self._grads.data_ptr():
-            raise RuntimeError("autograd replaced the flat gradient buffer")
         if not reporter:
             return {"trajectories": 0, "tokens": 0}
         return {"trajectories": len(shard), **merge_all(results)}
@@ -392,53 +401,54 @@ class MegatronWorker(StreamSender):
                                 packing="rows", keep_logits=True)
         out = torch.zeros(n, dtype=torch.float64)
         if self._is_reporter() and ps.get_data_parallel_rank() == 0:
-            out += results[0]["logprobs"][0].double().cpu()
+            out += results[0]["logprobs"][0][:n].double().cpu()
         return self._sum_over_world(out).tolist()
 
     # ---- optimizer step ---------------------------------------------------------------
 
-    def _reduce_grads_over_dp(self) -> None:
-        from megatron.core import parallel_state as ps
+    def _clip_and_step(self) -> tuple[float, bool]:
+        """Megatron's optimizer step, made of its parts so that a non-finite gradient
+        norm skips the step (Megatron's bf16 path has no such check without a loss
+        scaler): main gradients ready, global norm (all stages, TP shards, experts; each
+        duplicate counted once), clip by it, AdamW (+ bf16 copy-back and, with the
+        distributed optimizer, the parameter all-gather). Returns (norm, skipped)."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-        if ps.get_data_parallel_world_size() > 1:
-            dist.all_reduce(self._grads, group=ps.get_data_parallel_group())
-
-    def _global_grad_norm(self) -> float:
-        """L2 norm of the whole model's gradient: all stages, TP shards, each TP-duplicated
-        parameter (norms, ...) counted once."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
-        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for p in self._params:
-            if param_is_not_tensor_parallel_duplicate(p):
-                sq += p.grad.double().pow(2).sum()
-        if self.tp * self.pp > 1:
-            dist.all_reduce(sq, group=ps.get_model_parallel_group())
-        return math.sqrt(float(sq.item()))
+        self.optimizer.prepare_grads()
+        norm = float(self.optimizer.get_grad_norm())
+        if not math.isfinite(norm):
+            return norm, True
+        if self.grad_clip > 0:
+            for part in getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]:
+                params = part.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(params, max_norm=self.grad_clip,
+                                                 total_norm=norm)
+        self.optimizer.step_with_ready_grads()
+        return norm, False
 
     def optimizer_step(self, *, publish_dir: Path | None = None,
                        num_step_tokens: int | None = None) -> dict[str, Any]:
-        """All-reduce(sum) gradients over DP, normalise, clip by the global norm, AdamW,
-        zero. Publishing is decided by global rank 0: when it got `publish_dir`, every
-        rank takes part in gathering the full model and rank 0 writes
-        `publish_dir/model.safetensors` (Hugging Face names; temp dir, then rename)."""
+        """Finish the gradients (`finalize_model_grads`: all-reduce, or reduce-scatter
+        with the distributed optimizer, over DP; TP sums of partial gradients), divide
+        by `num_step_tokens` if given, clip by the global norm, AdamW, zero. Publishing
+        is decided by global rank 0: when it got `publish_dir`, every rank takes part in
+        gathering the full model and rank 0 writes `publish_dir/model.safetensors`
+        (Hugging Face names; temp dir, then rename)."""
+        from megatron.core.distributed import finalize_model_grads
+
         t0 = time.perf_counter()
-        self._reduce_grads_over_dp()
+        finalize_model_grads([self.ddp])
         if num_step_tokens is not None:
-            self._grads.div_(float(num_step_tokens))
+            self.ddp.scale_gradients(1.0 / float(num_step_tokens))
         t1 = time.perf_counter()
-        norm = self._global_grad_norm()
-        skipped = not math.isfinite(norm)
+        norm, skipped = self._clip_and_step()
         if skipped:
             logger.warning("non-finite gradient norm: step skipped, gradients dropped")
         else:
-            coef = self.grad_clip / (norm + 1e-6)
-            if coef < 1.0:
-                self._grads.mul_(coef)
-            self.optimizer.step()
             self.version += 1
-        self._grads.zero_()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
         t2 = time.perf_counter()
         target = str(publish_dir) if publish_dir is not None else None
         if self.world_size > 1:
@@ -452,20 +462,29 @@ class MegatronWorker(StreamSender):
     # ---- Hugging Face export ------------------------------------------------------------
 
     def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The full model in Hugging Face names on global rank 0 (None elsewhere).
-        Collective: the data-parallel rank 0 replica's shards are gathered."""
+        """The full model in Hugging Face names (the training dtype) on global rank 0
+        (None elsewhere). Collective: the dense parameters of the data-parallel rank 0
+        replica and the experts of expert-data-parallel rank 0 are gathered (with EP the
+        experts of one replica may sit on other DP ranks; convert.gather_hf_state)."""
         from megatron.core import parallel_state as ps
 
-        local = {k: v for k, v in self.model.state_dict().items()
+        local = {k: v for k, v in self.core.state_dict().items()
                  if not k.endswith("_extra_state")}
-        return convert.gather_hf_state(local, self.shape, tp_rank=ps.get_tensor_model_parallel_rank(),
-                               tp_size=self.tp, pp_rank=ps.get_pipeline_model_parallel_rank(),
-                               pp_size=self.pp, dp_rank=ps.get_data_parallel_rank(),
-                               rank=self.rank or 0, world_size=self.world_size)
+        return convert.gather_hf_state(
+            local, self.shape, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=self.tp,
+            pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=self.pp,
+            dp_rank=ps.get_data_parallel_rank(), rank=self.rank or 0,
+            world_size=self.world_size, ep_rank=ps.get_expert_model_parallel_rank(),
+            ep_size=self.layout.ep, edp_rank=ps.get_expert_data_parallel_rank())
 
     def wsync_layout(self):
         from gyre_slurm.train.wsync.plan import TrainerLayout
 
+        if self.layout.ep > 1:
+            raise NotImplementedError(
+                "streamed weight sync does not plan expert-parallel layouts yet (experts "
+                "sit on other data-parallel ranks than their replica's): with "
+                "trainer.expert_parallel > 1 the servers load the published weights")
         return TrainerLayout("megatron", self.world_size, tp=self.tp, pp=self.pp)
 
     def hf_pieces(self) -> dict[str, tuple[torch.Tensor, int | None]]:
@@ -474,11 +493,12 @@ class MegatronWorker(StreamSender):
         concatenate (streamed weight sync)."""
         from megatron.core import parallel_state as ps
 
-        local = {k: v.detach() for k, v in self.model.state_dict().items()
+        local = {k: v.detach() for k, v in self.core.state_dict().items()
                  if not k.endswith("_extra_state")}
         return convert.megatron_shard_to_hf_pieces(
             local, self.shape, tp_size=self.tp,
-            pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=self.pp, lazy=True)
+            pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=self.pp,
+            ep_rank=ps.get_expert_model_parallel_rank(), ep_size=self.layout.ep, lazy=True)
 
     def publish(self, out_dir: Path) -> Path | None:
         """Collective: write the full model to `out_dir/model.safetensors` (rank 0)."""
@@ -489,49 +509,25 @@ class MegatronWorker(StreamSender):
 
     # ---- checkpoints ------------------------------------------------------------------------
 
-    def _sharded_state(self) -> dict[str, Any]:
-        """Model, AdamW moments and gradients as ShardedTensors; version and step common."""
-        from megatron.core.dist_checkpointing.optimizer import (
-            get_param_id_to_sharded_param_map, make_sharded_optimizer_tensor)
-
-        model_sd = self.model.sharded_state_dict()
-        by_id = get_param_id_to_sharded_param_map(model_sd, self._params)
-        if len(by_id) != len(self._params):
-            raise RuntimeError("some parameters have no sharded counterpart")
-        state = {"model": model_sd, "optimizer": {}, "grads": {}}
-        for key in ("exp_avg", "exp_avg_sq"):
-            state["optimizer"][key] = {
-                i: make_sharded_optimizer_tensor(by_id[i], self.optimizer.state[p][key],
-                                                 prefix=f"optimizer.state.{key}")
-                for i, p in enumerate(self._params)}
-        state["grads"] = {i: make_sharded_optimizer_tensor(by_id[i], p.grad, prefix="grads")
-                          for i, p in enumerate(self._params)}
-        steps = {float(self.optimizer.state[p]["step"]) for p in self._params}
-        if len(steps) != 1:
-            raise RuntimeError(f"AdamW steps differ between parameters: {steps}")
-        state["meta"] = {"version": self.version, "adam_step": steps.pop(),
-                         "format": "gyre-megatron-1"}
-        return state
-
     def save_checkpoint(self, path: Path) -> Path:
         """COLLECTIVE: every rank of the world calls it. Writes a dist_checkpointing
         directory at `path` (temp dir, barrier, rank 0 renames it into place) holding
-        model, AdamW state, version and the gradients accumulated so far, summed over
-        data parallelism. The sum stays on DP rank 0 here too (zero elsewhere), so
-        training may go on in this world after a mid-step save."""
+        model, optimizer state (`state.sharded_state`), version and the gradients
+        accumulated so far, consolidated (`state.consolidate_grads`), so that training
+        may go on in this world, or in another layout, after a mid-step save."""
         from megatron.core import dist_checkpointing
-        from megatron.core import parallel_state as ps
 
         path = Path(path)
         tmp = path.with_name(f".{path.name}.tmp")
-        self._reduce_grads_over_dp()
-        if ps.get_data_parallel_rank() != 0:
-            self._grads.zero_()
+        state.consolidate_grads(self.ddp, self.core)
         if (self.rank or 0) == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self._barrier()
-        dist_checkpointing.save(self._sharded_state(), str(tmp))
+        meta = {"version": self.version, "format": "gyre-megatron-2",
+                "precision": self.layout.precision}
+        dist_checkpointing.save(state.sharded_state(self.core, self.optimizer, meta=meta,
+                                                    loading=False), str(tmp))
         self._barrier()
         if (self.rank or 0) == 0:
             old = path.with_name(f".{path.name}.old")
@@ -544,32 +540,19 @@ class MegatronWorker(StreamSender):
 
     def load_checkpoint(self, path: Path) -> None:
         """COLLECTIVE: load a `save_checkpoint` directory into this world's model,
-        resharded to its layout. Gradients are kept on DP rank 0 only."""
+        optimizer and gradient buffers, resharded to its layout."""
         from megatron.core import dist_checkpointing
-        from megatron.core import parallel_state as ps
 
-        if self.model is None:
+        if self.core is None:
             raise RuntimeError("load_checkpoint needs a world: call join first")
         path = Path(path)
         if not (path / "metadata.json").exists():
             raise FileNotFoundError(f"{path}: not a Megatron checkpoint (no metadata.json)")
-        state = self._sharded_state()
-        loaded = dist_checkpointing.load(state, str(path))
-        with torch.no_grad():
-            missing, unexpected = self.model.load_state_dict(loaded["model"], strict=False)
-            missing = [k for k in missing if not k.endswith("_extra_state")]
-            if missing or unexpected:
-                raise RuntimeError(f"{path}: missing {missing}, unexpected {unexpected}")
-            step = torch.tensor(float(loaded["meta"]["adam_step"]), dtype=torch.float32)
-            for i, p in enumerate(self._params):
-                st = self.optimizer.state[p]
-                st["exp_avg"].copy_(loaded["optimizer"]["exp_avg"][i])
-                st["exp_avg_sq"].copy_(loaded["optimizer"]["exp_avg_sq"][i])
-                st["step"] = step.clone()
-                p.grad.copy_(loaded["grads"][i])
-            if ps.get_data_parallel_rank() != 0:
-                self._grads.zero_()
-        self.version = int(loaded["meta"]["version"])
+        meta = {"version": 0, "format": "", "precision": ""}
+        sharded = state.sharded_state(self.core, self.optimizer, meta=meta, loading=True)
+        loaded = dist_checkpointing.load(sharded, str(path))
+        meta = state.apply_loaded(self.core, self.optimizer, loaded, source=str(path))
+        self.version = int(meta["version"])
 
     def _barrier(self) -> None:
         if self.world_size > 1:
@@ -578,12 +561,19 @@ class MegatronWorker(StreamSender):
     # ---- digests ---------------------------------------------------------------------------
 
     def digests(self) -> dict[str, Any]:
-        """sha256 of this rank's parameters + AdamW state + version ("state") and of its
-        local gradients ("grads"); ranks of one layout position compare equal."""
+        """sha256 of this rank's parameters + optimizer state (master weights, moments,
+        step) + version ("state") and of its local gradients ("grads"); ranks of one
+        layout position compare equal."""
         h = hashlib.sha256(str(self.version).encode())
-        for p in self._params:
-            st = self.optimizer.state[p]
-            for t in (p.data, st["exp_avg"], st["exp_avg_sq"], st["step"]):
-                h.update(t.detach().cpu().contiguous().numpy().tobytes())
-        g = hashlib.sha256(self._grads.cpu().numpy().tobytes())
+        for p in self.core.parameters():
+            h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+        for opt in state.torch_optimizers(self.optimizer):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+                    for key in ("exp_avg", "exp_avg_sq", "step"):
+                        h.update(opt.state[p][key].detach().float().cpu().numpy().tobytes())
+        g = hashlib.sha256()
+        for buf in [*self.ddp.buffers, *self.ddp.expert_parallel_buffers]:
+            g.update(buf.grad_data.float().cpu().numpy().tobytes())
         return {"state": h.hexdigest(), "grads": g.hexdigest(), "version": self.version}

@@ -165,13 +165,18 @@ def from_json(data: dict) -> Plan:
 # ---- building ---------------------------------------------------------------------------
 
 def hf_meta_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The model's Hugging Face state dict on the meta device (names and shapes only)."""
+    """The model's Hugging Face checkpoint state dict on the meta device (names and
+    shapes only)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gyre_slurm.models.tiny import checkpoint_state
 
     config = AutoConfig.from_pretrained(str(model_dir))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return dict(model.state_dict())
+        # the checkpoint's names, which vLLM loads (Qwen3-MoE's experts one by one, not
+        # transformers' fused in-memory tensors)
+        return dict(checkpoint_state(model))
 
 
 def shard_pieces(hf: dict[str, torch.Tensor], model_dir: str | Path, layout: TrainerLayout,

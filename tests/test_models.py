@@ -1,0 +1,113 @@
+"""Model families without an engine: what `ModelShape` reads from (and refuses in) a
+config.json, the tiny-model maker's checkpoints as transformers itself loads them, and
+weights read from single-file and sharded safetensors directories."""
+
+import json
+
+import pytest
+import torch
+
+from gyre_slurm.models import tiny
+from gyre_slurm.models.shape import ModelShape
+from gyre_slurm.models.weights import HFWeights
+
+QWEN3_MOE_30B = {  # the published Qwen3-30B-A3B config.json, the fields that matter
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-06, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+    "attention_bias": False}
+
+
+def test_shape_of_a_real_qwen3_moe_config():
+    s = ModelShape.from_config(QWEN3_MOE_30B)
+    assert (s.family, s.num_experts, s.moe_top_k, s.moe_ffn_hidden_size, s.head_dim) == (
+        "qwen3_moe", 128, 8, 768, 128)
+    assert s.qk_norm and not s.qkv_bias and s.is_moe
+    n = s.num_params()
+    assert 30.0e9 < n["total"] < 31.0e9, n  # "30B total"
+    active = n["dense"] + n["expert"] * s.moe_top_k // s.num_experts
+    assert 3.0e9 < active < 3.5e9, active  # "A3B": 3.3B active
+    s.check_layout(4, 2, 8)
+    with pytest.raises(ValueError, match="num_experts 128 % EP 3"):
+        s.check_layout(1, 1, 3)
+
+
+@pytest.mark.parametrize("change,key", [
+    ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+    ({"mlp_only_layers": [0, 1]}, "mlp_only_layers"),
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ({"shared_expert_intermediate_size": 512}, "shared_expert_intermediate_size"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"num_experts_per_tok": 200}, "num_experts_per_tok"),
+    ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}, "supports"),
+])
+def test_shape_refuses_what_it_cannot_train_faithfully(change, key):
+    with pytest.raises(ValueError, match=key):
+        ModelShape.from_config({**QWEN3_MOE_30B, **change}, source="x/config.json")
+
+
+def test_shape_without_config_says_what_a_model_dir_holds(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        ModelShape.from_model_dir(tmp_path)
+
+
+@pytest.mark.parametrize("family", tiny.FAMILIES)
+def test_tiny_checkpoint_loads_in_transformers_as_the_model(family, tmp_path):
+    """The maker's directory is a Hugging Face checkpoint: transformers' own
+    from_pretrained gives the model's logits; load_weights into a fresh model too."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny.make_model_dir(tmp_path / family, family=family, vocab_size=300,
+                                    num_heads=4, num_kv_heads=2)
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == [tiny.ARCHITECTURES[family]]
+    model = tiny.new_model(model_dir, seed=3)
+    tiny.save_weights_into(model, model_dir)
+    ids = torch.tensor([[1, 5, 9, 20, 200, 7]])
+    with torch.no_grad():
+        want = model(ids).logits
+        ref = AutoModelForCausalLM.from_pretrained(str(model_dir)).float().eval()
+        again = tiny.new_model(model_dir, seed=9)
+        tiny.load_weights(again, model_dir)
+        assert torch.equal(ref(ids).logits, want)
+        assert torch.equal(again(ids).logits, want)
+    shape = ModelShape.from_model_dir(model_dir)
+    assert shape.family == family
+    assert shape.num_params()["total"] == sum(p.numel() for p in model.parameters())
+    names = set(tiny.checkpoint_state(model))
+    if family == "qwen3_moe":  # per expert on disk, as published checkpoints are
+        assert "model.layers.0.mlp.experts.7.down_proj.weight" in names
+        assert not any(n.endswith("experts.gate_up_proj") for n in names)
+
+
+def test_weights_read_from_single_and_sharded_safetensors(tmp_path):
+    from safetensors.torch import save_file
+
+    state = {f"t{i}": torch.full((2, 3), float(i)) for i in range(5)}
+    single = tmp_path / "single"
+    single.mkdir()
+    save_file(state, str(single / "model.safetensors"))
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    weight_map = {}
+    for shard, names in enumerate((["t0", "t1"], ["t2", "t3", "t4"])):
+        fname = f"model-{shard + 1:05d}-of-00002.safetensors"
+        save_file({n: state[n] for n in names}, str(sharded / fname))
+        weight_map.update({n: fname for n in names})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": weight_map}))
+    for d in (single, sharded):
+        w = HFWeights(d)
+        assert sorted(w) == sorted(state) and len(w) == 5
+        assert all(torch.equal(w[n], state[n]) for n in state)
+        with pytest.raises(KeyError, match="no tensor 'nope'"):
+            w["nope"]
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match="lists shards that are not there"):
+        HFWeights(sharded)
+    with pytest.raises(ValueError, match="no model.safetensors"):
+        HFWeights(tmp_path)
