@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES = (
     "gyre_slurm.runtime.cli",
     "gyre_slurm.slurm.cli",
     "gyre_slurm.monitor.cli",
+    "gyre_slurm.models.cli",
 )
 
 

@@ -37,6 +37,16 @@ def test_defaults_load_and_round_trip():
     ({"cluster": "big"}, ["cluster: expected a mapping", "str 'big'"]),
     ({"training": {"packing": "trees"}}, ["training.packing", "'tree'", "'rows'", "'trees'"]),
     ({"workload": {"rows_reread": 0.5}}, ["workload.rows_reread must be >= 1", "0.5"]),
+    ({"trainer": {"precision": "fp16"}}, ["trainer.precision", "'bf16'", "'fp16'"]),
+    ({"trainer": {"distributed_optimizer": True}}, ["distributed_optimizer", "backend: megatron"]),
+    ({"trainer": {"backend": "megatron", "python": "env:megatron", "expert_parallel": 2}},
+     ["expert_parallel = 2", "model.family llama has none", "qwen3_moe"]),
+    ({"trainer": {"backend": "megatron", "python": "env:megatron", "expert_parallel": 3},
+      "model": {"family": "qwen3_moe"}}, ["expert_parallel = 3 must divide", "experts = 8"]),
+    ({"trainer": {"backend": "megatron", "python": "env:megatron", "expert_parallel": 2},
+      "model": {"family": "qwen3_moe"}, "cluster": {"gpus_per_node": 0}},
+     ["multiples of 1 ranks", "lower expert_parallel"]),
+    ({"model": {"experts": 2, "experts_per_token": 4}}, ["experts_per_token = 4 exceeds"]),
 ])
 def test_bad_config_names_key_and_fix(data, fragments):
     with pytest.raises(ConfigError) as err:
@@ -166,3 +176,13 @@ def test_gyre_config_keys_describes_every_key(gyre):
     assert "faults.agent_lost_s" in one and "cluster.num_nodes" not in one
     bad = gyre("config", "keys", "nosuch", check=False)
     assert bad.returncode == 2 and "sections: cluster" in bad.stderr
+
+
+@pytest.mark.parametrize("name", ["tiny-vllm-megatron-bf16.yaml", "tiny-vllm-megatron-moe.yaml"])
+def test_model_family_variants_load(name):
+    """The bf16 and MoE variants of configs/tiny-vllm-megatron.yaml (docs/models.md)."""
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / name)
+    assert (cfg.trainer.precision, cfg.trainer.distributed_optimizer) == ("bf16", True)
+    assert cfg.trainer.expert_parallel == (2 if cfg.model.family == "qwen3_moe" else 1)

@@ -25,8 +25,8 @@ def test_gpu_check_runs_every_check_on_cpu(megatron_python, vllm_python, tmp_pat
 
     rows = {r["check"]: r for r in json.loads((tmp_path / "table.json").read_text())}
     assert rows["device"]["result"] == "SKIP"  # no GPU here
-    for name in ("nccl", "torch", "bf16", "losses", "megatron", "tree", "wsync",
-                 "vllm-sleep"):
+    for name in ("nccl", "torch", "bf16", "losses", "megatron", "megatron_bf16", "tree",
+                 "wsync", "vllm-sleep"):
         assert rows[name]["result"] == "PASS", rows[name]
     assert re.search(r"^\| megatron +\| PASS \|", proc.stdout, re.M)  # the table, padded
 

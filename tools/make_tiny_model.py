@@ -1,11 +1,14 @@
 """Make a tiny model directory (config, tokenizer, random weights), nothing downloaded.
 
-    tools/gyre-env python tools/make_tiny_model.py OUT_DIR [--family llama|qwen2]
-        [--hidden 64] [--layers 2] [--heads 4] [--kv-heads 4] [--vocab 512] [--seed 0]
+    tools/gyre-env python tools/make_tiny_model.py OUT_DIR [--family llama|qwen2|qwen3|
+        qwen3_moe] [--hidden 64] [--layers 2] [--heads 4] [--kv-heads 4] [--vocab 512]
+        [--experts 8 --experts-per-token 2] [--shards 1] [--seed 0]
 
 OUT_DIR is a Hugging Face model directory that vLLM, transformers and gyre's trainers
-load: config.json (a small Llama or Qwen2), a byte-level BPE tokenizer trained here with
-a chat template, and model.safetensors (random weights for the seed).
+load (and `gyre run` starts from: model.path): config.json (a small model of the
+family), a byte-level BPE tokenizer trained here with a chat template, and random
+weights for the seed, as model.safetensors or (--shards N) as N shards with their
+index, the layout of published checkpoints.
 """
 
 from __future__ import annotations
@@ -30,15 +33,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--max-positions", type=int, default=4096)
+    p.add_argument("--experts", type=int, default=8, help="qwen3_moe: experts per layer")
+    p.add_argument("--experts-per-token", type=int, default=2, help="qwen3_moe: top-k")
+    p.add_argument("--shards", type=int, default=1, help="weight files (with an index)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     out = tiny.make_model_dir(args.out_dir, vocab_size=args.vocab, hidden_size=args.hidden,
                               num_layers=args.layers, num_heads=args.heads,
                               num_kv_heads=args.kv_heads, max_positions=args.max_positions,
-                              family=args.family)
+                              family=args.family, num_experts=args.experts,
+                              experts_per_token=args.experts_per_token)
     model = tiny.new_model(out, seed=args.seed)
-    tiny.save_weights_into(model, out)
+    tiny.save_weights_into(model, out, shards=args.shards)
     n = sum(p.numel() for p in model.parameters())
     print(f"{out}: {args.family}, {n:,} parameters, made in {time.perf_counter() - t0:.1f} s")
     return 0

@@ -203,9 +203,10 @@ class GyreConfig:
             raise ConfigError(
                 f"training.min_replica_nodes = {self.training.min_replica_nodes} must be a "
                 f"multiple of the {self.replica_nodes} nodes a replica spans")
+        self._check_experts()
         model = self.model
         head = model.hidden_size // model.heads
-        if self.rollout.engine == "vllm" and not gpus and head not in (
+        if self.rollout.engine == "vllm" and not gpus and model.path is None and head not in (
                 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512):
             raise ConfigError(
                 f"vLLM's CPU attention takes head sizes 32, 64, 80, ... only; the run's model "
@@ -216,6 +217,32 @@ class GyreConfig:
         if tp is not None and gpus and (tp > gpus or gpus % tp):
             raise ConfigError(f"rollout.tensor_parallel = {tp} must divide "
                               f"cluster.gpus_per_node = {gpus} (servers run inside a node)")
+
+    def _check_experts(self) -> None:
+        from gyre_slurm.train.layout import expert_parallel_fits, world_unit
+
+        tr, model = self.trainer, self.model
+        if tr.expert_parallel == 1:
+            return
+        per_cell = self.cluster.cell_nodes * self.ranks_per_node
+        if model.path is not None:  # the model's experts are checked at the run's start
+            pass
+        elif model.family != "qwen3_moe":
+            raise ConfigError(f"trainer.expert_parallel = {tr.expert_parallel} splits the "
+                              f"experts of a mixture-of-experts model; model.family "
+                              f"{model.family} has none (use qwen3_moe, or expert_parallel 1)")
+        elif model.experts % tr.expert_parallel:
+            raise ConfigError(f"trainer.expert_parallel = {tr.expert_parallel} must divide "
+                              f"model.experts = {model.experts}")
+        if not expert_parallel_fits(tr.expert_parallel, ranks_per_cell=per_cell,
+                                    tp=tr.tensor_parallel, pp=tr.pipeline_parallel):
+            unit = world_unit(ranks_per_cell=per_cell, tp=tr.tensor_parallel,
+                              pp=tr.pipeline_parallel)
+            raise ConfigError(
+                f"training worlds are multiples of {unit} ranks (a cell's, or a replica's), "
+                f"which trainer.expert_parallel {tr.expert_parallel} x pipeline_parallel "
+                f"{tr.pipeline_parallel} does not divide; lower expert_parallel or raise "
+                f"trainer.ranks_per_node / cluster.cell_nodes")
 
     @property
     def release_mode(self) -> str:

@@ -213,15 +213,30 @@ class AgentConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """The tiny model a run makes for itself (gyre_slurm.models.tiny)."""
+    """The model: a Hugging Face model directory (`path`), or the tiny model a run makes
+    for itself (gyre_slurm.models.tiny) from the other keys."""
 
-    family: Literal["llama", "qwen2"] = key("llama", "architecture of the tiny model")
+    path: str | None = key(None, "a Hugging Face model directory both roles start from "
+                                 "(config.json, tokenizer, safetensors: one file or shards "
+                                 "with their index), on a filesystem every node sees; null: "
+                                 "the tiny model the keys below describe")
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = key(
+        "llama", "architecture of the tiny model (docs/models.md): llama, qwen2 (q/k/v "
+                 "biases), qwen3 (q/k norms), qwen3_moe (qwen3 with a mixture of experts)")
     hidden_size: int = key(64, "hidden size")
     layers: int = key(2, "transformer layers")
     heads: int = key(4, "attention heads (vLLM on CPU needs a head size of 32, 64, ...)")
+    experts: int = key(8, "qwen3_moe: experts in every layer")
+    experts_per_token: int = key(2, "qwen3_moe: experts routed per token (top-k)")
 
     def __post_init__(self) -> None:
-        _all_positive(self, ("hidden_size", "layers", "heads"))
+        if self.path is not None and not self.path.strip():
+            raise FieldError("path", "is empty: name a Hugging Face model directory, or "
+                             "leave it unset for the tiny model")
+        _all_positive(self, ("hidden_size", "layers", "heads", "experts", "experts_per_token"))
+        if self.experts_per_token > self.experts:
+            raise FieldError("experts_per_token", f"= {self.experts_per_token} exceeds "
+                             f"model.experts = {self.experts}")
         if self.hidden_size % self.heads:
             raise FieldError("heads", f"= {self.heads} must divide "
                              f"model.hidden_size = {self.hidden_size}")
@@ -386,6 +401,14 @@ class TrainerConfig:
                                             "--container-image, pyxis)")
     tensor_parallel: int = key(1, "Megatron tensor parallelism inside a replica")
     pipeline_parallel: int = key(1, "Megatron pipeline parallelism inside a replica")
+    expert_parallel: int = key(1, "Megatron expert parallelism (MoE models): the experts "
+                                  "split over this many ranks; each world's size must be a "
+                                  "multiple of expert_parallel x pipeline_parallel")
+    precision: Literal["fp32", "bf16"] = key(
+        "fp32", "megatron: parameters in fp32, or bf16 with fp32 master weights and moments")
+    distributed_optimizer: bool = key(
+        False, "megatron: Megatron's distributed optimizer (optimizer state sharded over the "
+               "data-parallel ranks, resharded at every handoff)")
     ranks_per_node: int | None = key(
         None, "training processes per node (null: megatron one per GPU, or 1 without GPUs; "
               "torch 1)")
@@ -394,13 +417,18 @@ class TrainerConfig:
                             "nodes with their own accelerators (the training still runs)")
 
     def __post_init__(self) -> None:
-        _all_positive(self, ("tensor_parallel", "pipeline_parallel"))
+        _all_positive(self, ("tensor_parallel", "pipeline_parallel", "expert_parallel"))
         if self.ranks_per_node is not None:
             _positive("ranks_per_node", self.ranks_per_node)
         _check_role_python("trainer", self.python, self.container_image)
         if self.backend == "torch" and self.tensor_parallel * self.pipeline_parallel > 1:
             raise ConfigError("trainer.tensor_parallel / pipeline_parallel > 1 need "
                               "trainer.backend: megatron (the torch backend is data parallel)")
+        if self.backend == "torch" and (self.expert_parallel > 1 or self.precision != "fp32"
+                                        or self.distributed_optimizer):
+            raise ConfigError("trainer.expert_parallel > 1, precision: bf16 and "
+                              "distributed_optimizer need trainer.backend: megatron (the "
+                              "torch backend trains fp32 replicas with plain AdamW)")
         if self.backend == "megatron" and self.python is None and self.container_image is None:
             raise ConfigError("trainer.backend: megatron runs in its own environment "
                               "(megatron-core needs Python >= 3.12): set trainer.python "

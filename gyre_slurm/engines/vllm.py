@@ -83,7 +83,6 @@ from gyre_slurm.engines.embedded import check_loopback, read_secret
 from gyre_slurm.engines.launcher import PACKAGE_ROOT
 from gyre_slurm.engines.vllm_client import VllmClient
 from gyre_slurm.errors import UserError
-from gyre_slurm.models import tiny
 
 log = logging.getLogger(__name__)
 
@@ -241,12 +240,18 @@ def check_model_dir(model_dir: Path, *, device: str) -> dict[str, Any]:
 def make_serve_dir(*, model_dir: str | Path, weights_dir: str | Path,
                    serve_dir: str | Path) -> Path:
     """`serve_dir` = symlinks to the model dir's files (config, tokenizer; not its own
-    weights) and to `weights_dir/model.safetensors`; built aside, then renamed in."""
+    weights) and to `weights_dir`'s weights (model.safetensors, or the shards and their
+    index of a Hugging Face checkpoint); built aside, then renamed in."""
+    from gyre_slurm.models.weights import INDEX, weight_files
+
     model_dir, weights_dir = Path(model_dir).resolve(), Path(weights_dir).resolve()
     serve_dir = Path(serve_dir)
-    weights = weights_dir / tiny.WEIGHTS_FILE
-    if not weights.is_file():
-        raise UserError(f"no {tiny.WEIGHTS_FILE} in {weights_dir}")
+    try:
+        weights = sorted({p.name for p in weight_files(weights_dir).values()})
+    except ValueError as exc:
+        raise UserError(f"no weights to serve: {exc}") from None
+    if (weights_dir / INDEX).is_file():
+        weights.append(INDEX)
     tmp = serve_dir.with_name(f".{serve_dir.name}.tmp-{os.getpid()}")
     old = serve_dir.with_name(f".{serve_dir.name}.old-{os.getpid()}")
     for p in (tmp, old):
@@ -256,7 +261,8 @@ def make_serve_dir(*, model_dir: str | Path, weights_dir: str | Path,
         if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json",
                                                 ".bin", ".pt")):
             (tmp / f.name).symlink_to(f)
-    (tmp / tiny.WEIGHTS_FILE).symlink_to(weights)
+    for name in weights:
+        (tmp / name).symlink_to(weights_dir / name)
     if serve_dir.exists():
         os.replace(serve_dir, old)
     os.replace(tmp, serve_dir)

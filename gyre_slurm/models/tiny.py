@@ -209,13 +209,28 @@ class CorruptWeights(ValueError):
 
 
 def verify_weights(weights_dir: str | Path) -> Path:
-    """Check `weights_dir/model.safetensors` is whole before anyone loads it: the header
-    parses and the file is exactly as long as its tensors say (a truncated or garbled
-    file would otherwise fail deep inside safetensors, or not at all). Returns the path;
-    raises `CorruptWeights` naming the file, its size and what is wrong."""
+    """Check `weights_dir/model.safetensors` (or every shard its index lists) is whole
+    before anyone loads it: the header parses and the file is exactly as long as its
+    tensors say (a truncated or garbled file would otherwise fail deep inside
+    safetensors, or not at all). Returns the path (the index's, for shards); raises
+    `CorruptWeights` naming the file, its size and what is wrong."""
+    from gyre_slurm.models.weights import INDEX, weight_files
+
+    index = Path(weights_dir) / INDEX
+    if index.is_file():
+        try:
+            files = sorted(set(weight_files(weights_dir).values()))
+        except ValueError as exc:
+            raise CorruptWeights(str(exc)) from None
+        for f in files:
+            _verify_file(f)
+        return index
+    return _verify_file(Path(weights_dir) / WEIGHTS_FILE)
+
+
+def _verify_file(path: Path) -> Path:
     import struct
 
-    path = Path(weights_dir) / WEIGHTS_FILE
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -249,9 +264,13 @@ def verify_weights(weights_dir: str | Path) -> Path:
 
 
 def load_weights(model, weights_dir: str | Path) -> None:
+    """Load a weights dir (`model.safetensors`, or shards with their index), strictly."""
     from safetensors.torch import load_file
 
-    state = load_file(str(verify_weights(weights_dir)))
+    from gyre_slurm.models.weights import HFWeights
+
+    path = verify_weights(weights_dir)
+    state = dict(HFWeights(weights_dir)) if path.name != WEIGHTS_FILE else load_file(str(path))
     model.load_state_dict(model_state(model, state), strict=True)
 
 
@@ -259,14 +278,33 @@ def weights_dir(run_dir: str | Path, version: int) -> Path:
     return Path(run_dir) / "weights" / f"v{version:06d}"
 
 
-def save_weights_into(model, model_dir: str | Path) -> Path:
-    """Write the model's weights into a model directory (`model_dir/model.safetensors`,
-    atomically: temp file, then rename), making it a whole Hugging Face checkpoint."""
+def save_weights_into(model, model_dir: str | Path, *, shards: int = 1) -> Path:
+    """Write the model's weights into a model directory, making it a whole Hugging Face
+    checkpoint: `model.safetensors`, or with `shards` > 1 the published layout,
+    `model-0000i-of-0000N.safetensors` listed by `model.safetensors.index.json` (each
+    file atomically: temp file, then rename; the index last). Returns the file written
+    last."""
     from safetensors.torch import save_file
 
-    path = Path(model_dir) / WEIGHTS_FILE
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    model_dir = Path(model_dir)
     state = {k: v.detach().contiguous().cpu() for k, v in checkpoint_state(model).items()}
-    save_file(state, str(tmp), metadata={"format": "pt"})
+    names = list(state)
+    groups = [names[i * len(names) // shards:(i + 1) * len(names) // shards]
+              for i in range(shards)] if shards > 1 else [names]
+    weight_map = {}
+    for i, group in enumerate(groups):
+        name = WEIGHTS_FILE if shards == 1 else f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        path = model_dir / name
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        save_file({k: state[k] for k in group}, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, path)
+        weight_map.update(dict.fromkeys(group, name))
+    if shards == 1:
+        return path
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    path = model_dir / f"{WEIGHTS_FILE}.index.json"
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                              indent=1))
     os.replace(tmp, path)
     return path

@@ -69,3 +69,49 @@ class HFWeights(Mapping):
 
     def __len__(self) -> int:
         return len(self.files)
+
+
+def is_weight_file(name: str) -> bool:
+    return name.endswith((".safetensors", ".bin", ".pt", ".pth")) or name == INDEX \
+        or name.endswith(".bin.index.json")
+
+
+def import_model_dir(src: str | Path, model_dir: str | Path, weights_dir: str | Path, *,
+                     layout: tuple[int, int, int] | None = None) -> dict:
+    """Start a run from a Hugging Face model directory `src` without copying it: the run's
+    `model_dir` gets links to its config, tokenizer and other small files, `weights_dir`
+    (the policy's version 0) links to its safetensors weights (one file, or the shards
+    and their index). Each directory is made aside and renamed into place. `src` must
+    be on a filesystem every node sees. `layout`: (TP, PP, EP) the Megatron trainer will
+    split the model over, checked first (its family and shape, `ModelShape`). Returns
+    {"files": n, "weights": n}; ValueError saying what `src` lacks."""
+    import os
+
+    from gyre_slurm.models.shape import ModelShape
+
+    src = Path(src).expanduser().resolve()
+    if not (src / "config.json").is_file():
+        raise ValueError(f"model.path {src}: no config.json (a Hugging Face model directory "
+                         "holds config.json, the tokenizer and safetensors weights)")
+    if not any((src / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(f"model.path {src}: no tokenizer (tokenizer.json or "
+                         "tokenizer_config.json)")
+    if layout is not None:
+        ModelShape.from_model_dir(src).check_layout(*layout)
+    weights = weight_files(src)  # ValueError if there are none
+    shards = sorted({p.name for p in weights.values()})
+    if (src / INDEX).is_file():
+        shards.append(INDEX)
+    small = [f for f in sorted(src.iterdir()) if f.is_file() and not is_weight_file(f.name)]
+    for target, names in ((Path(model_dir), [f.name for f in small]),
+                          (Path(weights_dir), shards)):
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        if tmp.exists():
+            for f in tmp.iterdir():
+                f.unlink()
+            tmp.rmdir()
+        tmp.mkdir(parents=True)
+        for name in names:
+            (tmp / name).symlink_to(src / name)
+        os.replace(tmp, target)
+    return {"files": len(small), "weights": len(shards)}

@@ -233,7 +233,9 @@ class NodeAgent:
             "--model-dir", str(self.rd.model_dir), "--node-index", str(self.node_index),
             "--lr", str(opt.lr), "--seed", str(self.cfg.seed),
             "--grad-clip", str(opt.grad_clip), "--tp", str(tr.tensor_parallel),
-            "--pp", str(tr.pipeline_parallel),
+            "--pp", str(tr.pipeline_parallel), "--ep", str(tr.expert_parallel),
+            "--precision", tr.precision,
+            "--distributed-optimizer", str(tr.distributed_optimizer).lower(),
             "--loss", json.dumps(self.cfg.loss.settings)]
         envs = rank_envs(n, gpus=self.cfg.cluster.gpus_per_node)
         for env in envs:

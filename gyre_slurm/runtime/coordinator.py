@@ -188,9 +188,22 @@ class Coordinator:
             return start
         self.rd.create(self.cfg)
         model = self.cfg.model
+        if model.path is not None:  # a Hugging Face model dir: linked, not copied
+            from gyre_slurm.models.weights import import_model_dir
+
+            tr = self.cfg.trainer
+            try:
+                import_model_dir(model.path, self.rd.model_dir, tiny.weights_dir(self.rd.path, 0),
+                                 layout=(tr.tensor_parallel, tr.pipeline_parallel,
+                                         tr.expert_parallel)
+                                 if tr.backend == "megatron" else None)
+            except ValueError as exc:
+                raise UserError(str(exc)) from None
+            return checkpoint.Resume(0, None)
         tiny.make_model_dir(self.rd.model_dir, hidden_size=model.hidden_size,
                             num_layers=model.layers, num_heads=model.heads,
-                            family=model.family,
+                            family=model.family, num_experts=model.experts,
+                            experts_per_token=model.experts_per_token,
                             max_positions=max(4096, self.cfg.rollout.max_model_len))
         tiny.save_weights(tiny.new_model(self.rd.model_dir, seed=self.cfg.seed),
                           tiny.weights_dir(self.rd.path, 0))

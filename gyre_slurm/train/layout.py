@@ -6,7 +6,10 @@ cell by cell, node by node: rank = (cell position * nodes_per_cell + node) *
 ranks_per_node + local rank. A model replica spans `tp * pp` consecutive ranks, which
 must either fit inside one cell or be whole cells (so no replica straddles a cell
 boundary and a handoff moves whole replicas); data parallelism runs across replicas:
-dp = world_size / (tp * pp).
+dp = world_size / (tp * pp). Expert parallelism (MoE, expert TP 1, as Megatron's
+order "tp-cp-ep-dp-pp" lays it out) splits each pipeline stage's world / pp ranks into
+groups of `ep`: a world must be a multiple of ep * pp, and ep must divide the experts
+(`expert_parallel_sizes`, `world_unit`).
 
 A node is named by (cell_id, node index inside its cell). `plan_handoff` turns an old and
 a new layout into what each node does at a rebuild: the ranks in the new world (its
@@ -22,6 +25,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gyre_slurm.models.memory import expert_parallel_sizes
+
+__all__ = ["TrainLayout", "layout", "world_unit", "expert_parallel_sizes",
+           "expert_parallel_fits", "HandoffPlan", "plan_handoff"]
+
 Node = tuple[int, int]  # (cell_id, node index inside the cell)
 
 
@@ -32,12 +40,16 @@ class TrainLayout:
     ranks_per_node: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if len(set(self.cells)) != len(self.cells):
             raise ValueError(f"a cell appears twice among the train cells: {self.cells}")
-        if min(self.nodes_per_cell, self.ranks_per_node, self.tp, self.pp) < 1:
-            raise ValueError("nodes_per_cell, ranks_per_node, tp and pp must be >= 1")
+        if min(self.nodes_per_cell, self.ranks_per_node, self.tp, self.pp, self.ep) < 1:
+            raise ValueError("nodes_per_cell, ranks_per_node, tp, pp and ep must be >= 1")
+        if self.world_size % (self.ep * self.pp):
+            raise ValueError(f"{self.world_size} ranks do not split into expert-parallel "
+                             f"groups: ep*pp={self.ep * self.pp} must divide the world")
         replica, per_cell = self.tp * self.pp, self.ranks_per_cell
         if per_cell % replica and replica % per_cell:
             raise ValueError(f"a replica of tp*pp={replica} ranks must fit in a cell of "
@@ -88,8 +100,20 @@ class TrainLayout:
 
 
 def layout(cells: Sequence[int], *, nodes_per_cell: int, ranks_per_node: int = 1,
-           tp: int = 1, pp: int = 1) -> TrainLayout:
-    return TrainLayout(tuple(cells), nodes_per_cell, ranks_per_node, tp, pp)
+           tp: int = 1, pp: int = 1, ep: int = 1) -> TrainLayout:
+    return TrainLayout(tuple(cells), nodes_per_cell, ranks_per_node, tp, pp, ep)
+
+
+def world_unit(*, ranks_per_cell: int, tp: int = 1, pp: int = 1) -> int:
+    """The ranks every training world is a multiple of: a cell's, or a replica's when a
+    replica spans several cells."""
+    return max(ranks_per_cell, tp * pp)
+
+
+def expert_parallel_fits(ep: int, *, ranks_per_cell: int, tp: int = 1, pp: int = 1) -> bool:
+    """Whether every world the elastic runtime can form (whole cells, whole replicas)
+    holds expert parallelism `ep`: the smallest world, and so every multiple of it."""
+    return world_unit(ranks_per_cell=ranks_per_cell, tp=tp, pp=pp) % (ep * pp) == 0
 
 
 @dataclass(frozen=True)

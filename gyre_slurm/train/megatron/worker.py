@@ -480,12 +480,8 @@ class MegatronWorker(StreamSender):
     def wsync_layout(self):
         from gyre_slurm.train.wsync.plan import TrainerLayout
 
-        if self.layout.ep > 1:
-            raise NotImplementedError(
-                "streamed weight sync does not plan expert-parallel layouts yet (experts "
-                "sit on other data-parallel ranks than their replica's): with "
-                "trainer.expert_parallel > 1 the servers load the published weights")
-        return TrainerLayout("megatron", self.world_size, tp=self.tp, pp=self.pp)
+        return TrainerLayout("megatron", self.world_size, tp=self.tp, pp=self.pp,
+                             ep=self.layout.ep)
 
     def hf_pieces(self) -> dict[str, tuple[torch.Tensor, int | None]]:
         """This rank's shard in Hugging Face names: views of its parameters (q/k/v: made
@@ -525,7 +521,8 @@ class MegatronWorker(StreamSender):
             tmp.mkdir(parents=True)
         self._barrier()
         meta = {"version": self.version, "format": "gyre-megatron-2",
-                "precision": self.layout.precision}
+                "precision": self.layout.precision,
+                "optimizer_parts": len(state.torch_optimizers(self.optimizer))}
         dist_checkpointing.save(state.sharded_state(self.core, self.optimizer, meta=meta,
                                                     loading=False), str(tmp))
         self._barrier()
@@ -548,11 +545,28 @@ class MegatronWorker(StreamSender):
         path = Path(path)
         if not (path / "metadata.json").exists():
             raise FileNotFoundError(f"{path}: not a Megatron checkpoint (no metadata.json)")
-        meta = {"version": 0, "format": "", "precision": ""}
+        self._check_optimizer_parts(path)
+        meta = {"version": 0, "format": "", "precision": "", "optimizer_parts": 0}
         sharded = state.sharded_state(self.core, self.optimizer, meta=meta, loading=True)
         loaded = dist_checkpointing.load(sharded, str(path))
         meta = state.apply_loaded(self.core, self.optimizer, loaded, source=str(path))
         self.version = int(meta["version"])
+
+    def _check_optimizer_parts(self, path: Path) -> None:
+        """Megatron keeps a MoE model's expert parameters in an optimizer of their own
+        (a chained optimizer, keys `chained_N.`) only when they are expert- or tensor-
+        parallel (EP > 1 or TP > 1): a checkpoint of one kind does not load into the
+        other. Say so, rather than fail deep in dist_checkpointing."""
+        from megatron.core.dist_checkpointing import load_common_state_dict
+
+        saved = (load_common_state_dict(str(path)).get("meta") or {}).get("optimizer_parts")
+        mine = len(state.torch_optimizers(self.optimizer))
+        if saved is not None and saved != mine:
+            raise ValueError(
+                f"{path}: a checkpoint of a layout whose optimizer has {saved} part(s) cannot "
+                f"load into this one's {mine} (TP {self.tp}, EP {self.layout.ep}): a MoE "
+                "model's experts get an optimizer of their own only when TP > 1 or EP > 1; "
+                "keep TP > 1 or EP > 1 on both sides of a layout change, or both at 1")
 
     def _barrier(self) -> None:
         if self.world_size > 1:
@@ -577,3 +591,28 @@ class MegatronWorker(StreamSender):
         for buf in [*self.ddp.buffers, *self.ddp.expert_parallel_buffers]:
             g.update(buf.grad_data.float().cpu().numpy().tobytes())
         return {"state": h.hexdigest(), "grads": g.hexdigest(), "version": self.version}
+
+    def memory_bytes(self) -> dict[str, int]:
+        """This rank's model state in bytes, counted from its tensors (the memory
+        calculator's figures, `models/memory.py`): "weights" its parameters, "grads"
+        DDP's gradient buffers, "optimizer" the Adam moments plus the fp32 master weights
+        of bf16 parameters (a view of an fp32 parameter is no new memory), "params" the
+        parameter count; "max_rss" the process's peak resident set."""
+        import resource
+
+        def nbytes(t):
+            return t.numel() * t.element_size()
+
+        params = list(self.core.parameters())
+        optimizer = 0
+        for opt in state.torch_optimizers(self.optimizer):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    optimizer += nbytes(p) if self.layout.bf16 else 0
+                    optimizer += sum(nbytes(opt.state[p][k]) for k in ("exp_avg", "exp_avg_sq")
+                                     if k in opt.state[p])
+        grads = sum(nbytes(b.grad_data)
+                    for b in [*self.ddp.buffers, *self.ddp.expert_parallel_buffers])
+        return {"weights": sum(nbytes(p) for p in params), "grads": grads,
+                "optimizer": optimizer, "params": sum(p.numel() for p in params),
+                "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

@@ -21,9 +21,11 @@ the rollout servers' workers:
   replicas the one of index `bucket % dp` (replicas take turns, so a replicated trainer
   spreads the sending over its ranks); its `tag`: its index (unique within a round).
 
-Expert parallelism (i15): a shard coordinate would gain the EP rank, the pieces of an
-expert tensor come from the EP rank holding that expert, and `TrainerLayout.rank`
-places EP in Megatron's order ("tp-cp-ep-dp-pp"); `shard_pieces` is the one hook.
+Expert parallelism: an expert's tensors are whole on the expert-parallel rank holding
+that expert (expert TP 1), so their pieces (whole, `tp` 0) come from the rank of that
+EP rank in Megatron's expert order ("tp-cp-ep-dp-pp": `TrainerLayout.expert_rank`), the
+expert-data-parallel replicas taking turns by bucket as the dense ones do; the dense
+tensors are cut as without EP.
 
 Plans travel as JSON (`to_json` / `from_json`) from the coordinator, which computes them,
 to the senders and receivers, with a fingerprint each side checks: a piece that two
@@ -35,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,28 +59,42 @@ class TrainerLayout:
     world_size: int
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallelism (MoE): experts split over EP ranks of each stage
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"trainer layout kind {self.kind!r}: choose one of {KINDS}")
-        if self.kind == "replicated" and (self.tp, self.pp) != (1, 1):
-            raise ValueError("a replicated trainer has tp = pp = 1")
+        if self.kind == "replicated" and (self.tp, self.pp, self.ep) != (1, 1, 1):
+            raise ValueError("a replicated trainer has tp = pp = ep = 1")
         if min(self.world_size, self.tp, self.pp) < 1 or self.world_size % (self.tp * self.pp):
             raise ValueError(f"a world of {self.world_size} ranks cannot hold TP {self.tp} x "
+                             f"PP {self.pp}")
+        if self.ep < 1 or self.world_size % (self.ep * self.pp):
+            raise ValueError(f"a world of {self.world_size} ranks cannot hold EP {self.ep} x "
                              f"PP {self.pp}")
 
     @property
     def dp(self) -> int:
         return self.world_size // (self.tp * self.pp)
 
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel replicas of each expert."""
+        return self.world_size // (self.ep * self.pp)
+
     def rank(self, *, tp: int, pp: int, dp: int) -> int:
         return tp + self.tp * (dp + self.dp * pp)
+
+    def expert_rank(self, *, ep: int, pp: int, edp: int) -> int:
+        """The rank holding EP rank `ep`'s experts of stage `pp` in replica `edp`."""
+        return ep + self.ep * (edp + self.edp * pp)
 
     def coords(self) -> list[tuple[int, int]]:
         return [(t, p) for p in range(self.pp) for t in range(self.tp)]
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "world_size": self.world_size, "tp": self.tp, "pp": self.pp}
+        out = {"kind": self.kind, "world_size": self.world_size, "tp": self.tp, "pp": self.pp}
+        return {**out, "ep": self.ep} if self.ep != 1 else out
 
 
 @dataclass(frozen=True)
@@ -180,9 +197,9 @@ def hf_meta_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def shard_pieces(hf: dict[str, torch.Tensor], model_dir: str | Path, layout: TrainerLayout,
-                 tp: int, pp: int) -> dict[str, tuple[torch.Tensor, int | None]]:
-    """Shard coordinate (tp, pp)'s pieces {hf name: (tensor, TP concat dim or None)}, as
-    its rank holds them (`hf` on the meta device gives their shapes; the senders call
+                 tp: int, pp: int, ep: int = 0) -> dict[str, tuple[torch.Tensor, int | None]]:
+    """Shard coordinate (tp, pp, ep)'s pieces {hf name: (tensor, TP concat dim or None)},
+    as its rank holds them (`hf` on the meta device gives their shapes; the senders call
     convert.py on their real shards the same way)."""
     if layout.kind == "replicated":
         return {name: (t, None) for name, t in hf.items()}
@@ -190,9 +207,30 @@ def shard_pieces(hf: dict[str, torch.Tensor], model_dir: str | Path, layout: Tra
 
     shape = convert.ModelShape.from_model_dir(model_dir)
     shard = convert.hf_to_megatron_shard(hf, shape, tp_rank=tp, tp_size=layout.tp,
-                                         pp_rank=pp, pp_size=layout.pp)
+                                         pp_rank=pp, pp_size=layout.pp, ep_rank=ep,
+                                         ep_size=layout.ep)
     return convert.megatron_shard_to_hf_pieces(shard, shape, tp_size=layout.tp, pp_rank=pp,
-                                               pp_size=layout.pp)
+                                               pp_size=layout.pp, ep_rank=ep,
+                                               ep_size=layout.ep)
+
+
+_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
+
+
+def _held(hf, model_dir, layout: TrainerLayout) -> tuple[dict[str, list], set[str]]:
+    """{hf name: [(tp or ep, pp, piece shape, dim)]} over the shard coordinates, and the
+    names of the expert tensors (held by EP coordinates, whole)."""
+    held: dict[str, list] = {}
+    experts: set[str] = set()
+    for tp, pp in layout.coords():
+        for ep in range(layout.ep if tp == 0 else 1):
+            for name, (t, dim) in shard_pieces(hf, model_dir, layout, tp, pp, ep).items():
+                if _EXPERT.search(name) and layout.ep > 1:
+                    experts.add(name)
+                    held.setdefault(name, []).append((ep, pp, tuple(t.shape), dim))
+                elif ep == 0:
+                    held.setdefault(name, []).append((tp, pp, tuple(t.shape), dim))
+    return held, experts
 
 
 def _cut(name: str, full: tuple[int, ...], held: list[tuple[int, int, tuple, int | None]]):
@@ -233,10 +271,7 @@ def build_plan(model_dir: str | Path, layout: TrainerLayout, *, bucket_bytes: in
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     hf = hf_meta_state(model_dir) if hf is None else hf
-    held: dict[str, list] = {}
-    for tp, pp in layout.coords():
-        for name, (t, dim) in shard_pieces(hf, model_dir, layout, tp, pp).items():
-            held.setdefault(name, []).append((tp, pp, tuple(t.shape), dim))
+    held, experts = _held(hf, model_dir, layout)
     if set(held) != set(hf):
         raise ValueError(f"the trainer's pieces name {sorted(set(held) ^ set(hf))[:5]} "
                          f"differently from the Hugging Face state")
@@ -251,10 +286,14 @@ def build_plan(model_dir: str | Path, layout: TrainerLayout, *, bucket_bytes: in
             buckets.append((len(pieces), len(pieces)))
             size = 0
         size += nbytes
-        replica = (len(buckets) - 1) % layout.dp
+        bucket = len(buckets) - 1
         for tp, pp, dim, offset, length in _cut(name, shape, held[name]):
-            pieces.append(Piece(index, tp, pp, dim, offset, length,
-                                layout.rank(tp=tp, pp=pp, dp=replica), len(pieces)))
+            if name in experts:  # whole, on EP rank `tp` (the coordinate's first field)
+                sender = layout.expert_rank(ep=tp, pp=pp, edp=bucket % layout.edp)
+                tp = 0
+            else:
+                sender = layout.rank(tp=tp, pp=pp, dp=bucket % layout.dp)
+            pieces.append(Piece(index, tp, pp, dim, offset, length, sender, len(pieces)))
         buckets[-1] = (buckets[-1][0], len(pieces))
     return Plan(layout=layout, dtype=dtype, bucket_bytes=bucket_bytes, params=params,
                 pieces=tuple(pieces), buckets=tuple(buckets))
