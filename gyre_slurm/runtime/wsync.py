@@ -99,7 +99,7 @@ class WeightStream:
         if not self.world.reshard:
             return TrainerLayout("replicated", size)
         return TrainerLayout("megatron", size, tp=cfg.trainer.tensor_parallel,
-                             pp=cfg.trainer.pipeline_parallel)
+                             pp=cfg.trainer.pipeline_parallel, ep=cfg.trainer.expert_parallel)
 
     async def plan(self):
         from gyre_slurm.train.wsync import plan as planlib
