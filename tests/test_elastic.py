@@ -134,3 +134,20 @@ def test_a_configured_drain_is_the_one_used(drain):
     res = simulate(cfg, named_policy(cfg, "elastic"), sample_workload(cfg))
     releases = [d for d in res.decisions if d["cause"] == "release"]
     assert all(d["drain"] == drain for d in releases)
+
+
+def test_a_drain_is_expected_from_each_run_s_own_step():
+    # At a phase change: a few short runs of step 3 finishing, many fresh runs of step 4
+    # that are 60x longer. A wait drain lasts as long as the long runs, not the short ones
+    # (the bench_modes changing-demand run: the oldest step's model expected 1 s, the drain
+    # took 54 s).
+    short, long = DurationModel.lognormal(mean_s=1.0, sigma=0.3), \
+        DurationModel.lognormal(mean_s=60.0, sigma=0.3)
+    prior = WorkloadPrior(durations=StepDurations((short,) * 4 + (long,) * 4),
+                          runs_per_step=16, group_size=4, staleness=1)
+    p = ElasticPolicy(SchedulerConfig(confirm_s=0, min_dwell_s=0), prior=prior)
+    ages = np.array([0.5] * 4 + [2.0] * 12)
+    obs = observe([R, T, R, R], [4, 0, 6, 6], version=3, elapsed=ages,
+                  steps=[3] * 4 + [4] * 12)
+    tail = p.cell_tail_s(obs, 6)
+    assert 40.0 < tail < 120.0, tail

@@ -40,8 +40,9 @@ import numpy as np
 
 from gyre_slurm.config.schema import SchedulerConfig
 from gyre_slurm.sched.cells import Role
-from gyre_slurm.sched.outlook import (Capacity, Outlook, StepOutlook, WorkloadPrior, alive_curve,
-                                      build_outlook, longest_of, residual_tail)
+from gyre_slurm.sched.outlook import (Capacity, Outlook, StepOutlook, WorkloadPrior,
+                                      build_outlook, longest_of, mixed_alive_curve,
+                                      residual_tail)
 from gyre_slurm.sched.rule import (WaterlevelRule, draining_to_train, releasable_cells,
                                    takeable_train_cells)
 from gyre_slurm.sched.types import CellObs, Decision, Layout, Observation
@@ -307,10 +308,12 @@ class ElasticPolicy:
         elapsed = np.asarray(obs.run_elapsed_s, dtype=float)
         if elapsed.size == 0:
             return 0.0
-        if self._alive is None:  # once per decision: all runs in flight, the oldest step's
+        if self._alive is None:  # once per decision: all runs in flight, each by its step
             steps = obs.run_steps if obs.run_steps is not None else np.zeros(elapsed.size, int)
-            model = self.prior.durations.at(int(steps.min()) if steps.size else 0)
-            self._alive = (model, alive_curve(model, elapsed))
+            kinds = np.unique(steps)
+            models = [self.prior.durations.at(int(k)) for k in kinds]
+            self._alive = (models[0], mixed_alive_curve(
+                models, [elapsed[steps == k] for k in kinds]))
         key = round(runs, 3)
         if key not in self._tails:
             model, curve = self._alive

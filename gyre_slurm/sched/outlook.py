@@ -244,23 +244,37 @@ def occupancy(outlook: "Outlook", times: np.ndarray, *, step: int | None = None,
     return occ
 
 
-def alive_curve(model: DurationModel, elapsed_s: np.ndarray, *,
-                points: int = 32) -> tuple[np.ndarray, np.ndarray]:
+def alive_curve(model: DurationModel, elapsed_s: np.ndarray, *, points: int = 32,
+                xs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Runs in flight at these ages: the expected number still running x reference
-    seconds from now, on a grid of x (starting at 0)."""
+    seconds from now, on a grid of x (starting at 0; `xs`: this grid)."""
     weight = 1.0
     if elapsed_s.size > 1024:  # many runs: their ages' quantiles stand for them
         weight = elapsed_s.size / 1024
         elapsed_s = np.quantile(elapsed_s, (np.arange(1024) + 0.5) / 1024)
     now = np.maximum(model.sf(elapsed_s), 1e-12)
-    hi = max(float(model.grid_s[-1]), float(elapsed_s.max()) * 2.0, 1.0)
-    xs = np.concatenate(([0.0], np.geomspace(hi * 1e-4, hi, points)))
+    if xs is None:
+        hi = max(float(model.grid_s[-1]), float(elapsed_s.max()) * 2.0, 1.0)
+        xs = np.concatenate(([0.0], np.geomspace(hi * 1e-4, hi, points)))
     later = model.sf(elapsed_s[None, :] + xs[:, None])
     # Past the model's support (a run slowed by load): expect it to end within its age.
     stale = now <= 1e-9
     ratio = np.where(stale[None, :], (xs[:, None] < elapsed_s[None, :]).astype(float),
                      later / now[None, :])
     return xs, ratio.sum(axis=1) * weight
+
+
+def mixed_alive_curve(models: list[DurationModel], ages: list[np.ndarray], *,
+                      points: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """`alive_curve` of runs of several steps in flight, each step's runs by its own
+    duration model (with workload phases, a new step's runs may be 60x longer than the
+    last one's), summed on one grid."""
+    if len(models) == 1:
+        return alive_curve(models[0], ages[0], points=points)
+    hi = max(max(float(m.grid_s[-1]) for m in models),
+             max(float(a.max()) for a in ages) * 2.0, 1.0)
+    xs = np.concatenate(([0.0], np.geomspace(hi * 1e-4, hi, points)))
+    return xs, sum(alive_curve(m, a, xs=xs)[1] for m, a in zip(models, ages))
 
 
 def residual_tail(model: DurationModel, elapsed_s: np.ndarray, *, points: int = 32,
