@@ -161,6 +161,7 @@ def test_a_node_lost_while_its_cell_joins_the_training_world(tmp_path):
     num_steps = 6
     proc = start_run(run_dir, f"workload.num_steps={num_steps}", "scheduler.policy=elastic",
                      "scheduler.forecast=false", "scheduler.hysteresis=0",
+                     "scheduler.drain=migrate",  # a wait drain may outlast the job
                      "scheduler.interval_s=0.2")
     try:
         layout = faults.wait_event(run_dir, "layout", timeout_s=120)
@@ -240,6 +241,7 @@ def test_a_member_lost_while_another_cell_joins_resumes_the_handoff(tmp_path):
     num_steps = 6
     proc = start_run(run_dir, f"workload.num_steps={num_steps}", "scheduler.policy=elastic",
                      "scheduler.forecast=false", "scheduler.hysteresis=0",
+                     "scheduler.drain=migrate",  # a wait drain may outlast the job
                      "scheduler.interval_s=0.2", failpoint="join:1:2")
     try:
         layout = faults.wait_event(run_dir, "layout", timeout_s=120)

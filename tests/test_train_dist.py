@@ -61,8 +61,9 @@ def world_of(tmp_path, n: int):
     try:
         with WorkerProcesses(n, model_dir=model_dir) as w:
             spec = WorldSpec(1, n, "127.0.0.1", port)
+            # the workers import torch first: minutes on a loaded CI machine, not seconds
             w.call({i: ("join", {"spec": spec, "rank": i, "src_rank": 0}) for i in range(n)},
-                   timeout_s=60)
+                   timeout_s=240)
             yield w
     finally:
         del store

@@ -11,6 +11,7 @@ from typing import Mapping
 
 import numpy as np
 
+from gyre_slurm.config.phases import step_shape
 from gyre_slurm.config.schema import GyreConfig, HandoffConfig
 from gyre_slurm.sched.cells import CellTable
 from gyre_slurm.sched.ledger import WorkLedger
@@ -55,3 +56,25 @@ def build_observation(*, cfg: GyreConfig, now_s: float, table: CellTable,
         step_runs_left=ledger.step_runs_left(version),
         run_steps=runs.steps,
     )
+
+
+def opening_observation(cfg: GyreConfig) -> Observation:
+    """The job as it starts, from the config alone (its cells are filled in by the
+    policy): every run of the first steps allowed and queued, nothing to train yet,
+    training at the configured pace per cell of a smallest world, each run's trained
+    tokens as configured (`workload.tokens_mean`, times what the packing computes)."""
+    w, t, nodes = cfg.workload, cfg.training, cfg.cluster.cell_nodes
+    cells = math.ceil(t.min_replica_nodes / nodes)
+    usable = (cells * nodes // t.min_replica_nodes) * t.min_replica_nodes
+    cell_tps = t.node_tokens_per_s * usable * t.scaling_efficiency ** math.log2(usable) / cells
+    per_token = 1.0 if t.packing == "tree" else w.rows_reread
+    allowed = min(w.num_steps, t.max_staleness + 1) * w.runs_per_step
+    return Observation(
+        now_s=0.0, cells=(), cell_capacity=cfg.cell_capacity, runs_in_flight=0,
+        runs_queued=allowed, runs_future=w.num_steps * w.runs_per_step - allowed,
+        run_elapsed_s=np.zeros(0), train_ready_tokens=0.0, train_waiting_tokens=0.0,
+        train_tokens_per_cell_s=cell_tps, min_train_cells=cells,
+        tokens_per_run=w.tokens_mean * per_token * step_shape(cfg, 0).tokens_scale,
+        policy_version=0, steps_done=0, num_steps=w.num_steps,
+        handoff_to_train_s=cfg.handoff.to_train_s, handoff_to_rollout_s=cfg.handoff.to_rollout_s,
+        run_steps=np.zeros(0, dtype=np.int64))

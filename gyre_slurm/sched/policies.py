@@ -31,6 +31,7 @@ from gyre_slurm.config.schema import GyreConfig
 from gyre_slurm.config.trace import load_trace
 from gyre_slurm.sched.baselines import AsyncPolicy, ColocatePolicy
 from gyre_slurm.sched.elastic import ElasticPolicy
+from gyre_slurm.sched.observe import opening_observation
 from gyre_slurm.sched.outlook import WorkloadPrior
 from gyre_slurm.sched.types import Observation, Policy
 from gyre_slurm.sched.waterlevel import DurationModel, StepDurations, rate_by_load
@@ -73,28 +74,6 @@ def make_elastic(cfg: GyreConfig, *, base_dir: Path | None = None, name: str = "
     return ElasticPolicy(sched, prior=workload_prior(cfg, base_dir=base_dir,
                                                      streaming=sched.streaming), name=name,
                          opening=opening_observation(cfg))
-
-
-def opening_observation(cfg: GyreConfig) -> Observation:
-    """The job as it starts, from the config alone (its cells are filled in by the
-    policy): every run of the first steps allowed and queued, nothing to train yet,
-    training at the configured pace per cell of a smallest world, each run's trained
-    tokens as configured (`workload.tokens_mean`, times what the packing computes)."""
-    w, t, nodes = cfg.workload, cfg.training, cfg.cluster.cell_nodes
-    cells = math.ceil(t.min_replica_nodes / nodes)
-    usable = (cells * nodes // t.min_replica_nodes) * t.min_replica_nodes
-    cell_tps = t.node_tokens_per_s * usable * t.scaling_efficiency ** math.log2(usable) / cells
-    per_token = 1.0 if t.packing == "tree" else w.rows_reread
-    allowed = min(w.num_steps, t.max_staleness + 1) * w.runs_per_step
-    return Observation(
-        now_s=0.0, cells=(), cell_capacity=cfg.cell_capacity, runs_in_flight=0,
-        runs_queued=allowed, runs_future=w.num_steps * w.runs_per_step - allowed,
-        run_elapsed_s=np.zeros(0), train_ready_tokens=0.0, train_waiting_tokens=0.0,
-        train_tokens_per_cell_s=cell_tps, min_train_cells=cells,
-        tokens_per_run=w.tokens_mean * per_token * step_shape(cfg, 0).tokens_scale,
-        policy_version=0, steps_done=0, num_steps=w.num_steps,
-        handoff_to_train_s=cfg.handoff.to_train_s, handoff_to_rollout_s=cfg.handoff.to_rollout_s,
-        run_steps=np.zeros(0, dtype=np.int64))
 
 
 def workload_prior(cfg: GyreConfig, *, base_dir: Path | None = None,
