@@ -1,4 +1,4 @@
-"""Test helper: random micro-batches of trajectories (DESIGN §4 shape) for trainer tests."""
+"""Test helper: random micro-batches of trajectories (docs/runtime.md shape) for trainer tests."""
 
 from __future__ import annotations
 

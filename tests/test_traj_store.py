@@ -41,7 +41,7 @@ def test_round_trip_keeps_every_field(tmp_path):
            "finish_reason": "stop", "model": "m-7b", "tags": {"retry": 1}}
     obj2 = {**obj, "call": 1, "prompt_ids": [1001, 1002, 2001, 3001], "output_ids": [],
             "output_logprobs": [], "finish_reason": "length"}
-    with CallStoreWriter(tmp_path, "w0") as w:  # DESIGN §4 dicts are accepted
+    with CallStoreWriter(tmp_path, "w0") as w:  # plain trajectory-format dicts are accepted
         w.append(obj)
     with CallStoreWriter(tmp_path, "w0") as w:  # reopened: appends after the first
         w.append(obj2)

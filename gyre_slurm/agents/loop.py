@@ -21,7 +21,7 @@ Ending a run (never raises; the environment is not closed, the caller owns it):
   body without choices[0].message), or the env raises: status "failed", reward 0.0,
   `error` says why (for non-2xx: "HTTP <status>: <body, first 200 chars>").
 
-Run record (`RunResult.to_record()`, DESIGN §4): {"run_id", "task_id", "reward",
+Run record (`RunResult.to_record()`, docs/runtime.md): {"run_id", "task_id", "reward",
 "status": "ok"|"failed"|"timeout", "num_calls", "num_compactions", "error": null|str,
 "t_start", "t_end"} (times: time.time() seconds).
 """

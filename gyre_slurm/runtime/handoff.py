@@ -1,4 +1,4 @@
-"""Handoffs (DESIGN 6), executed for the coordinator, every phase timed into events.jsonl.
+"""Handoffs, executed for the coordinator, every phase timed into events.jsonl.
 
 rollout -> train: stop routing new runs to the cell's server (gateway drain); wait
 until no call is in flight on it — its runs move to another server at their next call
@@ -50,7 +50,7 @@ Move = Callable[[list[int], bool], Awaitable[None]]  # a handoff of cells; wait 
 
 
 class Handoffs:
-    """Executes the policy's decisions (DESIGN 6) and keeps the rollout servers on the
+    """Executes the policy's decisions and keeps the rollout servers on the
     current policy, on the job's shared state through the services it names."""
 
     def __init__(self, *, job: JobState, world: TrainWorld, gateway: Gateway,

@@ -1,4 +1,4 @@
-"""The run dir on the shared filesystem (DESIGN 7) and the writers of its live files.
+"""The run dir on the shared filesystem and the writers of its live files.
 
 ```
 RUN_DIR/

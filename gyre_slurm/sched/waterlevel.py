@@ -1,4 +1,4 @@
-"""The waterlevel (DESIGN 5) and the demand forecast behind it. Pure numpy.
+"""The waterlevel (docs/scheduler.md) and the demand forecast behind it. Pure numpy.
 
 - demand = runs in flight + runs allowed to start now
 - waterlevel L = demand / capacity_per_cell: how many cells rollout needs now

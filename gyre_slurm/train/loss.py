@@ -72,7 +72,7 @@ API: `policy_loss_tokens` takes per-token tensors of any one shape (right-padded
 [B, T], or one packed row [N]) plus sequence ids for the sequence-level variants, so
 packed layouts compose with it; `policy_loss` is the same from logits [B, T, V] and
 token ids of rows. `rows_from_trajectories` / `rows_from_packed` build rows from
-trajectory dicts (DESIGN §4) or a `gyre_slurm.traj.pack.MicroBatch`.
+trajectory dicts (docs/runtime.md) or a `gyre_slurm.traj.pack.MicroBatch`.
 """
 
 from __future__ import annotations
@@ -312,7 +312,7 @@ def _rows(seqs: Sequence[tuple], pad_id: int,
 
 def rows_from_trajectories(trajs: Sequence[dict[str, Any]], *, pad_id: int = 0,
                            device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Right-padded rows from DESIGN §4 trajectory dicts: token_ids, loss_mask, logprobs,
+    """Right-padded rows from trajectory dicts (docs/runtime.md): token_ids, loss_mask, logprobs,
     versions (policy version of each trained token, -1 elsewhere: the dict's
     `versions`, else its `policy_version` on every trained token) [B, T] and
     advantages [B]."""

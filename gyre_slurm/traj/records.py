@@ -1,4 +1,4 @@
-"""Call and run records (DESIGN §4), their validation, and per-run error collection.
+"""Call and run records (docs/runtime.md), their validation, and per-run error collection.
 
 Call record, one JSON object per line (the gateway writes one per model call):
 

@@ -57,7 +57,7 @@ class Trajectory:
         return int(self.loss_mask.sum())
 
     def to_json(self) -> dict[str, Any]:
-        """The DESIGN §4 trajectory line, with `versions` (the policy version of each
+        """The trajectory line (docs/runtime.md), with `versions` (the policy version of each
         trained token, -1 elsewhere: the trainer measures staleness with it)."""
         return {
             "run_id": self.run_id, "token_ids": self.token_ids.tolist(),

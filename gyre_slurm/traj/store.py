@@ -233,7 +233,7 @@ class CallStoreWriter:
             os.close(fd)
 
     def append(self, record: CallRecord | dict[str, Any]) -> CallDelta:
-        """Store one call (a `CallRecord` or a DESIGN §4 dict); returns its stored form.
+        """Store one call (a `CallRecord` or a dict of docs/runtime.md); returns its stored form.
         Raises `self.error` once a write has failed (see the module docstring)."""
         if self.error is not None:
             raise self.error

@@ -94,7 +94,7 @@ class _Edge:
 
 def _fields(t: Any) -> tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]:
     """(run_id, token_ids, loss_mask, logprobs, versions, advantage) of a trajectory
-    dict (DESIGN §4) or a `select.Trajectory`."""
+    dict (docs/runtime.md) or a `select.Trajectory`."""
     if isinstance(t, dict):
         ids = np.asarray(t["token_ids"], dtype=np.int64)
         mask = np.asarray(t["loss_mask"], dtype=np.uint8)
