@@ -33,10 +33,9 @@ build), so they are not offered: see docs/agents.md.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
+from gyre_slurm.common.debian import which_or_install
 from gyre_slurm.errors import UserError
 
 IMAGE_MOUNT = "/gyre/image"  # where the sandbox shows the image (under its own tmpfs)
@@ -77,17 +76,7 @@ def run_argv(command: str, *, home: str) -> list[str]:
 def ensure_charliecloud(*, install: bool = True) -> str:
     """The path of `ch-run`; installs `charliecloud-runtime` with apt-get when missing
     (as root). `ContainerError` with the fix otherwise."""
-    if shutil.which("ch-run") is None and install and os.geteuid() == 0 and shutil.which("apt-get"):
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        for argv in (["apt-get", "install", "-y", "--no-install-recommends",
-                      "charliecloud-runtime"],
-                     ["apt-get", "update"],  # a fresh machine has no apt lists
-                     ["apt-get", "install", "-y", "--no-install-recommends",
-                      "charliecloud-runtime"]):
-            if shutil.which("ch-run"):
-                break
-            subprocess.run(argv, capture_output=True, timeout=600, env=env, check=False)
-    path = shutil.which("ch-run")
+    path = which_or_install("ch-run", "charliecloud-runtime", install=install)
     if path is None:
         raise ContainerError("Charliecloud's ch-run is not installed and could not be "
                              "installed: install the `charliecloud-runtime` package (or "

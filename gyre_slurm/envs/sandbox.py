@@ -63,6 +63,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gyre_slurm.common.debian import which_or_install
 from gyre_slurm.envs import container
 from gyre_slurm.errors import UserError
 
@@ -221,15 +222,7 @@ def ensure_bwrap(*, install: bool = True) -> str:
     """The path of a working `bwrap`; installs the Debian package `bubblewrap` with
     apt-get when missing (as root), then starts a trivial sandbox. `SandboxError` with
     the reason and the fix otherwise."""
-    if shutil.which("bwrap") is None and install and os.geteuid() == 0 and shutil.which("apt-get"):
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        for argv in (["apt-get", "install", "-y", "--no-install-recommends", "bubblewrap"],
-                     ["apt-get", "update"],  # a fresh machine has no apt lists
-                     ["apt-get", "install", "-y", "--no-install-recommends", "bubblewrap"]):
-            if shutil.which("bwrap"):
-                break
-            subprocess.run(argv, capture_output=True, timeout=600, env=env, check=False)
-    path = shutil.which("bwrap")
+    path = which_or_install("bwrap", "bubblewrap", install=install)
     if path is None:
         raise SandboxError("bubblewrap (bwrap) is not installed and could not be installed; "
                            "install the `bubblewrap` package, or pass isolation='none' for "
