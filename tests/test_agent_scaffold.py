@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine_helpers import tiny_engines
+import faults
 from gyre_slurm.agents.scaffold import ScaffoldRunner, run_scaffold
 from gyre_slurm.config.agents import ScaffoldConfig
 from gyre_slurm.engines import EngineClient
@@ -243,12 +244,5 @@ def test_the_task_sandbox_holds_through_the_scaffold_path(engine, tmp_path):
     assert record["status"] == "ok"  # the limit ended the command, not the run
     for path in (f"/etc/{tag}", f"/root/{tag}", f"{HERE}/{tag}"):
         assert not os.path.lexists(path), path
-    left = [p for p in os.listdir("/proc") if p.isdigit() and marker in _cmdline(p)]
+    left = [p for p in os.listdir("/proc") if p.isdigit() and marker in faults.cmdline(p)]
     assert left == []
-
-
-def _cmdline(pid: str) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""

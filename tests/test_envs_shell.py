@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import faults
 from gyre_slurm.envs import Environment, make_env, tasks_for_step
 from gyre_slurm.envs.sandbox import Limits, Sandbox, limit_hit, seccomp_program
 from gyre_slurm.envs.shell import FORMAT_HELP, TASKS_DIR, extract_command, score, task_names
@@ -251,15 +252,9 @@ def test_close_kills_everything_and_removes_the_workdir():
     wd = run(go())
     assert not wd.exists()
     time.sleep(0.2)
-    left = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).startswith(marker)]
+    left = [p for p in os.listdir("/proc")
+            if p.isdigit() and faults.cmdline(p).startswith(marker)]
     assert left == []
-
-
-def _cmdline(pid: str) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
 
 
 def test_keep_workdir_and_unsafe_isolation_none():
