@@ -7,6 +7,9 @@ import pytest
 
 # Under CI a skip is a failure (see skip_policy.py).
 from skip_policy import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
+# Under tools/test's xdist workers: the units and their order (see schedule.py).
+from schedule import (pytest_collection_modifyitems, pytest_configure,  # noqa: F401
+                      pytest_configure_node, pytest_unconfigure, pytest_xdist_make_scheduler)
 
 ROOT = Path(__file__).resolve().parent.parent
 

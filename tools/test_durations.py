@@ -1,0 +1,70 @@
+"""Record the suite's per-test durations for the scheduler (tests/schedule.py).
+
+    tools/test --durations=0 -vv ... > LOG      # any run, whole suite or part
+    python tools/test_durations.py LOG [LOG...]  # rewrites tests/durations.json
+
+Reads pytest's "slowest durations" lines (`12.34s call tests/x.py::t[p]`), sums setup,
+call and teardown per test (an xdist_group's `@name` suffix dropped) and merges them into
+tests/durations.json: a test in the logs gets its new figure, the others keep theirs.
+Prints the per-file sums, longest first, and the longest-first packing's modelled wall
+time on 1-4 workers (a plain list-scheduling model: no start-up, no contention).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DURATIONS = ROOT / "tests" / "durations.json"
+LINE = re.compile(r"^\s*([0-9.]+)s (setup|call|teardown)\s+(\S+)")
+
+
+def parse(text: str) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    for line in text.splitlines():
+        m = LINE.match(line)
+        if m:
+            nodeid = m.group(3)
+            if nodeid.rfind("@") > nodeid.rfind("]"):  # loadgroup's "@group" suffix
+                nodeid = nodeid.rsplit("@", 1)[0]
+            out[nodeid] += float(m.group(1))
+    return dict(out)
+
+
+def makespan(costs: list[float], workers: int) -> float:
+    """Longest first onto the least-loaded worker (what xdist does with units in order)."""
+    loads = [0.0] * workers
+    heapq.heapify(loads)
+    for c in sorted(costs, reverse=True):
+        heapq.heappush(loads, heapq.heappop(loads) + c)
+    return max(loads)
+
+
+def main(logs: list[str]) -> None:
+    if not logs:
+        sys.exit(__doc__)
+    merged = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    for log in logs:
+        merged.update(parse(Path(log).read_text(errors="replace")))
+    merged = {k: round(v, 2) for k, v in sorted(merged.items())}
+    tmp = DURATIONS.with_suffix(".tmp")
+    tmp.write_text(json.dumps(merged, indent=0) + "\n")
+    tmp.replace(DURATIONS)
+    per_file: dict[str, float] = defaultdict(float)
+    for nodeid, s in merged.items():
+        per_file[nodeid.split("::", 1)[0]] += s
+    total = sum(per_file.values())
+    print(f"{len(merged)} tests, {total:.0f} s in all, {len(per_file)} files")
+    for path, s in sorted(per_file.items(), key=lambda kv: -kv[1])[:20]:
+        print(f"{s:8.1f}  {path}")
+    for w in (1, 2, 3, 4):
+        print(f"files as units, {w} workers: {makespan(list(per_file.values()), w):.0f} s")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
