@@ -56,7 +56,7 @@ def test_vllm_and_megatron_tp2_run_with_handoffs(tmp_path):
     version. (The file path with these engines:
     test_killed_and_resumed_run_loses_and_repeats_nothing; vLLM with the torch trainer runs
     whole in test_faults_nodes' crashed-server test, and exported weights are checked in
-    vLLM by test_engine_parity.)"""
+    vLLM by test_wsync_engines.)"""
     run_dir = tmp_path / "megatron"
     args = [sys.executable, "-m", "gyre_slurm", "run",
             str(Path(__file__).resolve().parent.parent / "configs" / "tiny-vllm-megatron.yaml"),

@@ -1,9 +1,14 @@
 """Streamed weight sync into the real engines: after a training step, a server synced by
 streaming gives the trainer's log-probabilities (fp32, < 1e-3) — vLLM-CPU (gyre's engine
 registered in vLLM's weight-transfer framework, driven by vLLM's own RL routes) from
-Megatron-core at TP2 and at PP2 (the server is TP1) and from the torch backend, for
-every family the project supports; the embedded engine likewise. A stale generation is
-refused by both engines; a released vLLM server woken for a round serves the new policy."""
+Megatron-core at TP2 and at PP2 (the server is TP1; qwen3_moe: TP2 x EP2) and from the
+torch backend, for every family the project supports; the embedded engine likewise. The
+same server also loads in place each policy the trainers exported to the Hugging Face
+layout (the file path: Megatron's gathered export at both layouts, the torch backend's)
+and gives the same log-probabilities (this was test_engine_parity, which started its own
+vLLM server and Megatron processes for each family: the same checks, one server). A stale
+generation is refused by both engines; a released vLLM server woken for a round serves
+the new policy."""
 
 import asyncio
 import dataclasses
@@ -178,11 +183,18 @@ def test_vllm_synced_by_streaming_gives_the_trainers_logprobs(run, tmp_path, fam
                 return await coro_fn(client)
         return asyncio.run(go())
 
-    def train(procs, ranks):
+    def exported(version):  # the Hugging Face layout a trainer publishes a policy in
+        return str(tiny.weights_dir(run_dir, version))
+
+    async def from_file(client, version):  # the file path: the export loaded in place
+        await client.load_weights(exported(version), version)
+        return await client.prompt_logprobs(PROMPT)
+
+    def train(procs, ranks, version):  # one step, exported (gathered) as `version`
         for mb in batches:
             procs.call({r: ("train_microbatch", {"mb": mb, "num_step_tokens": tokens})
                         for r in ranks})
-        procs.call({r: ("optimizer_step", {}) for r in ranks})
+        procs.call({r: ("optimizer_step", {"publish_dir": exported(version)}) for r in ranks})
         return procs.call({r: ("token_logprobs", {"token_ids": PROMPT}) for r in ranks})[0]
 
     try:
@@ -192,14 +204,18 @@ def test_vllm_synced_by_streaming_gives_the_trainers_logprobs(run, tmp_path, fam
             procs.call({r: ("join", {"spec": spec, "rank": r, "src_rank": 0,
                                      "init_weights": str(tiny.weights_dir(run_dir, 0))})
                         for r in (0, 1)})
-            want = train(procs, (0, 1))
+            want = megatron_step = train(procs, (0, 1), 1)
             tp2 = planlib.TrainerLayout("megatron", 2, tp=2)
 
             async def tp2_round(client):
+                initial = await client.prompt_logprobs(PROMPT)
                 _, plan, sent = await driver.round(client, tp2, megatron_senders(procs), 1)
-                return await client.prompt_logprobs(PROMPT), sent, await client.health()
-            served_tp2, sent, health = served(tp2_round)
+                streamed, health = await client.prompt_logprobs(PROMPT), await client.health()
+                return initial, streamed, sent, health, await from_file(client, 1)
+            initial, served_tp2, sent, health, filed = served(tp2_round)
             got["megatron TP2"] = (want, served_tp2)
+            got["megatron TP2, exported file"] = (want, filed)
+            assert diff(initial, served_tp2) > 50 * TOLERANCE  # the step moved the policy
             assert health["policy_version"] == 1 and health["status"] == "ok"
             assert all(s["bytes"] > 0 for s in sent.values())  # both TP ranks sent
 
@@ -216,7 +232,7 @@ def test_vllm_synced_by_streaming_gives_the_trainers_logprobs(run, tmp_path, fam
             procs.call({r: ("join", {"spec": spec, "rank": r, "checkpoint": str(ckpt),
                                      **second})
                         for r in (0, 1)})
-            want = train(procs, (0, 1))
+            want = train(procs, (0, 1), 2)
             pp2 = planlib.TrainerLayout("megatron", 2, tp=second["tensor_parallel"],
                                         pp=second["pipeline_parallel"],
                                         ep=second["expert_parallel"])
@@ -225,30 +241,36 @@ def test_vllm_synced_by_streaming_gives_the_trainers_logprobs(run, tmp_path, fam
                 await client.release()  # a released server, woken to receive
                 await client.wake()
                 await driver.round(client, pp2, megatron_senders(procs), 2)
-                return await client.prompt_logprobs(PROMPT)
+                return await client.prompt_logprobs(PROMPT), await from_file(client, 2)
             label = f"TP{pp2.tp}/PP{pp2.pp}/EP{pp2.ep}"
-            got[f"megatron {label}, released and woken"] = (want, served(pp2_round))
+            streamed, filed = served(pp2_round)
+            got[f"megatron {label}, released and woken"] = (want, streamed)
+            got[f"megatron {label}, exported file"] = (want, filed)
 
         worker = TrainerWorker(model_dir=model_dir, node_index=0, lr=5e-2, seed=0)
         worker.join(WorldSpec(next(gens), 1, HOST, port), 0, src_rank=0,
                     init_weights=tiny.weights_dir(run_dir, 0))
         for mb in batches:
             worker.train_microbatch(mb, num_step_tokens=tokens)
-        worker.optimizer_step()
+        worker.optimizer_step(publish_dir=tiny.weights_dir(run_dir, 3))
 
         async def torch_round(client):
             gen, _, _ = await driver.round(client, worker.wsync_layout(),
                                            torch_senders(worker), 3)
             served = await client.prompt_logprobs(PROMPT)
+            filed = await from_file(client, 3)
             await client.begin_weight_update()
             with pytest.raises(EngineError) as stale:  # a late request of an old round
                 await client.update_weights(generation=gen - 1, version=4)
-            return served, stale.value
-        served_torch, stale = served(torch_round)
-        got["torch"] = (torch_logprobs(worker.model), served_torch)
+            return served, filed, stale.value
+        served_torch, filed_torch, stale = served(torch_round)
+        torch_step = torch_logprobs(worker.model)
+        got["torch"] = (torch_step, served_torch)
+        got["torch, exported file"] = (torch_step, filed_torch)
     finally:
         proc.stop(timeout_s=20)
     for what, (want, have) in got.items():
         print(f"{family} {what}: max |trainer - vLLM| = {diff(want, have):.2e}")
         assert diff(want, have) < TOLERANCE, what
     assert "refused" in str(stale)
+    assert diff(megatron_step, torch_step) < 1e-2  # one step, two backends: nearly one policy
