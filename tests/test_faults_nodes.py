@@ -321,7 +321,7 @@ def test_a_crashed_vllm_server_is_restarted_on_its_cell(tmp_path):
     from test_runtime_engines import VLLM
 
     run_dir = tmp_path / "run"
-    num_steps = 10
+    num_steps = 5  # training is held until the restart: the steps after it are what count
     proc = start_run(run_dir, f"workload.num_steps={num_steps}", *VLLM,
                      "cluster.num_nodes=3", "scheduler.async_rollout_cells=2",
                      "agent.env_params={tool_mean_s: 2.0, tool_sigma: 0.3, tool_max_s: 4.0}",
