@@ -184,6 +184,26 @@ def test_remove_refused_while_in_flight(engines, tmp_path):
     assert status == 200 and load == {}
 
 
+def test_a_reopened_server_takes_runs_again_and_unmoved_runs_keep_it(engines, tmp_path):
+    """A cancelled drain (runtime/handoff.py): the server routes again at once, a call
+    that waited for a server gets it, and a run that had not moved keeps its affinity."""
+    async def go(gw, http, base):
+        first = (await chat(http, base, "r", max_tokens=2))[1]["gyre"]["server"]
+        gw.drain_server("s0")
+        waiting = asyncio.create_task(chat(http, base, "w", max_tokens=2))
+        await asyncio.sleep(0.2)
+        waited = not waiting.done()
+        gw.reopen_server("s0")
+        late = await waiting
+        again = (await chat(http, base, "r", max_tokens=2))[1]["gyre"]["server"]
+        return first, waited, late, again, gw.server_load()
+    first, waited, late, again, load = run_gateway(engines, tmp_path, go, servers=("s0",),
+                                                   wait_s=2.0)
+    assert first == "s0" and waited and again == "s0"
+    assert late[0] == 200 and late[1]["gyre"]["server"] == "s0", late
+    assert load["s0"]["draining"] is False and load["s0"]["runs"] == 2, load
+
+
 def test_no_server_503_then_waiting_call_gets_added_server(engines, tmp_path):
     async def go(gw, http, base):
         status, body = await chat(http, base, "w")

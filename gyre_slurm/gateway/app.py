@@ -110,6 +110,10 @@ class Gateway:
     def drain_server(self, server_id: str) -> None:
         self.router.drain(server_id)
 
+    def reopen_server(self, server_id: str) -> None:
+        """A draining server takes runs again (its cell's drain was cancelled)."""
+        self.router.reopen(server_id)
+
     def trust_server(self, server_id: str) -> None:
         """A suspect server answered its health check: route runs to it again."""
         self.router.trust(server_id)

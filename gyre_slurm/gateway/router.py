@@ -12,6 +12,7 @@ Rules:
   out) is routed to like a draining one until `trust` (its next good health check)
   or its removal: runs must not pile onto a dead server, whose empty slots make it
   look like the least loaded one, while its health check takes a few seconds.
+- `reopen` a draining server whose drain was cancelled: it takes runs again.
 - `remove` only a draining server with no call in flight; its runs lose their affinity.
 - External runs (`external=True`: runs the coordinator did not start, see
   `gateway.runs`) are routed the same way and count for placement while they live,
@@ -77,6 +78,13 @@ class Router:
         self._get(server_id).draining = True
         log.info("server %s draining (%d runs move at their next call)", server_id,
                  len(self.servers[server_id].runs))
+
+    def reopen(self, server_id: str) -> None:
+        """A draining server takes runs again (its cell's drain was cancelled); the runs
+        that have not moved yet keep their affinity to it."""
+        self._get(server_id).draining = False
+        log.info("server %s open again (drain cancelled)", server_id)
+        self._notify()
 
     def suspect(self, server_id: str) -> None:
         state = self.servers.get(server_id)

@@ -101,6 +101,7 @@ class Coordinator:
         self.training: TrainingLoop | None = None
         self.wsync = None  # wsync.WeightStream with rollout.weight_sync: stream
         self.waterlevel_history: collections.deque = collections.deque(maxlen=300)
+        self.dropped: dict[int, tuple] = {}  # cell -> its last decision_dropped (to, cause, why)
 
     @property
     def book(self) -> StepBook:
@@ -299,17 +300,29 @@ class Coordinator:
     async def policy_loop(self) -> None:
         while not self.book.done():
             self.rollouts.fill(self.capacity())
-            decisions = [d for d in self.policy.decide(self.observe())
-                         if d.cell_id not in self.job.busy_cells
-                         and self.table[d.cell_id].role is not Role.FAILED]
-            for d in decisions:
-                fields = d.as_event(self.job.now_s())
-                fields.pop("kind")
-                fields["t_run_s"] = fields.pop("t")  # seconds into this coordinator's life
-                self.rd.event("decision", **fields)
+            decisions = self.carried(self.policy.decide(self.observe()))
             if decisions:
                 self.handoffs.start(decisions)
             await asyncio.sleep(self.cfg.scheduler.interval_s)
+
+    def carried(self, decisions) -> list:
+        """The decisions the handoffs carry out now, each logged (`decision`); the others
+        are logged as `decision_dropped` with the reason, once per cell until its next
+        carried decision or a different refusal (the policy repeats them every tick)."""
+        out = []
+        for d in decisions:
+            why = self.handoffs.refusal(d)
+            fields = d.as_event(self.job.now_s())
+            fields.pop("kind")
+            fields["t_run_s"] = fields.pop("t")  # seconds into this coordinator's life
+            if why is None:
+                self.dropped.pop(d.cell_id, None)
+                self.rd.event("decision", **fields)
+                out.append(d)
+            elif self.dropped.get(d.cell_id) != (d.to_role, d.cause, why):
+                self.dropped[d.cell_id] = (d.to_role, d.cause, why)
+                self.rd.event("decision_dropped", why=why, **fields)
+        return out
 
     def capacity(self) -> int:
         serving = [c for c in self.table.ids(Role.ROLLOUT) if c not in self.job.busy_cells]

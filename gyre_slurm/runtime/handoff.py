@@ -14,6 +14,13 @@ up (`runtime.wsync`), and a cell leaves for training only once its servers are o
 any round. Decisions of one tick that go the same way are executed together: one drain
 wait, one rebuild.
 
+A `cancel_drain` decision stops a drain towards training while it waits (as the
+simulator does): the cell's servers are brought to the current policy if a step ended
+meanwhile (they missed its load), routed to again, and the cell rolls out; the other
+cells of its handoff go on. A decision the runtime does not carry out (its cell
+failed, is in a handoff past its drain, or restarts an engine) is logged
+(`decision_dropped`, with the reason) by `refusal`'s caller, never dropped silently.
+
 Faults (`recovery`): nodes of failed cells never join a world. An engine that does not
 release or resume within `faults.engine_handoff_timeout_s` (hung, or dead while its
 cell trained) is killed by its agent, and new engines start in its place
@@ -59,13 +66,35 @@ class Handoffs:
         self.job, self.world, self.gateway = job, world, gateway
         self.agents, self.recovery = agents, recovery
         self.wsync = wsync  # rollout.weight_sync: stream (None: file)
+        self.draining: set[int] = set()  # cells waiting in the drain of a move to training
+        self.cancels: set[int] = set()  # ... whose drain the policy cancelled
+
+    def refusal(self, d: Decision) -> str | None:
+        """Why the decision is not carried out now (None: it is)."""
+        cell = self.job.table[d.cell_id]
+        if cell.role is Role.FAILED:
+            return "the cell has failed"
+        if d.cause == "cancel_drain":
+            if d.cell_id in self.cancels:
+                return "its drain is being cancelled already"
+            if d.cell_id in self.draining:
+                return None
+            if cell.role in (Role.DRAINING, Role.LOADING) and cell.target is Role.TRAIN:
+                return "too late: the cell's drain has ended, it is joining training"
+            return f"the cell is {cell.role.value}, not draining towards training"
+        if cell.role in (Role.DRAINING, Role.LOADING):
+            return f"the cell is {cell.role.value} in a handoff to {cell.target.value}"
+        if d.cell_id in self.job.busy_cells:
+            return "the cell is busy: an engine restart, or a handoff that is starting"
+        return None
 
     def start(self, decisions: list[Decision]) -> None:
-        """Hand off the decided cells in the background, one handoff per direction."""
+        """Hand off the decided cells in the background, one handoff per direction;
+        cancel the drains the decisions cancel (`refusal` has passed each of them)."""
         job = self.job
+        self.cancels.update(d.cell_id for d in decisions if d.cause == "cancel_drain")
         moves: list[tuple[list[Decision], Move]] = [
-            ([d for d in decisions if d.to_role is Role.TRAIN and d.cause != "cancel_drain"],
-             self.to_train),
+            ([d for d in decisions if d.to_role is Role.TRAIN], self.to_train),
             ([d for d in decisions if d.to_role is Role.ROLLOUT and d.cause != "cancel_drain"],
              self.to_rollout)]
         for group, move in moves:
@@ -210,16 +239,21 @@ class Handoffs:
                      seconds=time.monotonic() - t0)
 
     async def to_train(self, cells: list[int], wait: bool) -> None:
+        """`cells` is shared with the caller: a cell whose drain is cancelled leaves it
+        (it is no longer this handoff's)."""
         job, world = self.job, self.world
         t0 = time.monotonic()
         for c in cells:
             job.table.begin_handoff(c, Role.TRAIN, now_s=job.now_s())
             for sid in job.server_ids(c):
                 self.gateway.drain_server(str(sid))
-        while any(self._busy(c, wait=wait) for c in cells):
-            await asyncio.sleep(0.05)
-        while any(sid in job.syncing for c in cells for sid in job.server_ids(c)):
-            await asyncio.sleep(0.05)  # a streamed round answers for them first
+        self.draining.update(cells)
+        try:
+            await self._drain(cells, wait=wait, t0=t0)
+        finally:
+            self.draining.difference_update(cells)
+        if not cells:
+            return
         phases = {"drain_s": time.monotonic() - t0}
         t1 = time.monotonic()
         for c in cells:
@@ -262,6 +296,63 @@ class Handoffs:
             job.table.finish_handoff(c, now_s=job.now_s())
         phases["total_s"] = time.monotonic() - t0
         job.rd.event("handoff", direction="train->rollout", cells=cells, **phases)
+
+    async def _drain(self, cells: list[int], *, wait: bool, t0: float) -> None:
+        """Until no cell of `cells` serves a call (`wait`: holds a run) nor is in a
+        streamed round; a cancelled cell leaves `cells` and serves again at once."""
+        job = self.job
+        while True:
+            gone = [c for c in cells if c in self.cancels]
+            if gone:
+                cells[:] = [c for c in cells if c not in gone]
+                self.draining.difference_update(gone)
+                try:
+                    await self._reopen(gone)
+                finally:
+                    self.cancels.difference_update(gone)
+                job.rd.event("handoff_cancelled", direction="rollout->train", cells=gone,
+                             drain_s=time.monotonic() - t0, others=list(cells))
+            if not cells:
+                return
+            if not any(self._busy(c, wait=wait) for c in cells) and not any(
+                    sid in job.syncing for c in cells for sid in job.server_ids(c)):
+                return  # (a streamed round answers for its servers first)
+            await asyncio.sleep(0.05)
+
+    async def _reopen(self, cells: list[int]) -> None:
+        """Cells whose drain was cancelled serve again, on the current policy (a step
+        that ended during the drain did not reach them: they were out of its load). A
+        server that does not answer or does not take the policy stays out of routing and
+        is restarted (`Recovery.request_restart`)."""
+        job = self.job
+        clients = {sid: c for cell in cells for sid, c in job.engine_clients[cell].items()}
+        answers = await asyncio.gather(*(
+            c.health(timeout_s=job.cfg.faults.engine_health_timeout_s)
+            for c in clients.values()), return_exceptions=True)
+        held, bad = {}, {}
+        for sid, res in zip(clients, answers):
+            if isinstance(res, dict) and res.get("status") == "ok":
+                held[sid] = res.get("policy_version")
+            else:
+                bad[sid] = f"health {res!r}"[:300]
+        live = {sid: c for sid, c in clients.items() if sid in held}
+        try:
+            if self.wsync is not None:
+                await self._stream_to_joiners(live, held)
+            else:
+                stale = {sid: c for sid, c in live.items() if held[sid] != job.book.version}
+                if stale:
+                    await catch_up(list(stale.values()), job, -1)  # -1: load the current
+        except (RuntimeError, asyncio.TimeoutError) as exc:  # EngineError is one
+            bad.update({sid: f"{type(exc).__name__}: {exc}"[:300] for sid in live})
+            live = {}
+        for sid in live:  # no await from the version check on: no step ends between
+            self.gateway.reopen_server(str(sid))
+        for c in cells:
+            job.table.cancel_drain(c, now_s=job.now_s())
+            job.busy_cells.discard(c)
+        for sid, why in bad.items():
+            self.recovery.request_restart(sid.cell, sid, reason=f"drain cancelled: {why}")
 
     def _busy(self, cell: int, *, wait: bool) -> bool:
         """A draining server is done when no call is in flight on it (migrate: its runs
