@@ -127,10 +127,13 @@ def check_summary(stdout: str, run_dir: Path, events: list[dict], records: list[
 def test_elastic_moves_cells_both_ways(tmp_path):
     # Runs of ~1 s against a ~1 s handoff: the forecast would rightly see most queues
     # drain before a reclaimed cell could serve, so it is off here, with no hysteresis
-    # and a fast policy tick, so that both directions happen in a short run.
+    # and a fast policy tick, so that both directions happen in a short run. The
+    # migrate drain: the rule cancels a wait drain as soon as a queue forms (the runtime
+    # carries cancel_drain out), and a wait drain may outlast the job.
     run_dir = tmp_path / "elastic"
     proc = gyre_run(run_dir, *FAST, "workload.num_steps=6", "scheduler.forecast=false",
                     "scheduler.hysteresis=0", "scheduler.interval_s=0.2",
+                    "scheduler.drain=migrate",
                     "agent.env_params={tool_mean_s: 1.0, tool_sigma: 0.5, tool_max_s: 3.0}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     events = check_run_dir(run_dir, num_steps=6)
