@@ -63,3 +63,19 @@ def test_work_bound_mixes_two_training_widths():
             brute = min(brute, max(wall, (rollout_cell_s + cell_s) / 5))
     assert got == pytest.approx(brute, rel=1e-4)
     assert got < single * 0.995
+
+
+def test_cell_time_accounts_for_every_cell_second():
+    # `tools/sim_table.py --losses` splits each policy's cell-seconds: held in rollout,
+    # in training and in transit add up to cells x makespan; busy is at most held.
+    from gyre_slurm.sched.policies import named_policy
+
+    cfg = load_config(None, ["cluster.num_nodes=4", "rollout.runs_per_node=8",
+                             "workload.num_steps=4", "workload.prompts_per_step=8",
+                             "workload.group_size=2"])
+    res = Simulator(cfg, named_policy(cfg, "elastic"), sample_workload(cfg)).run()
+    t = res.cell_time()
+    held = t["rollout_s"] + t["train_s"] + t["transit_s"]
+    assert held == pytest.approx(cfg.cluster.num_cells * res.makespan_s, rel=1e-9)
+    assert 0 < t["rollout_busy_s"] <= t["rollout_s"] * (1 + 1e-9)
+    assert 0 < t["train_busy_s"] <= t["train_s"] * (1 + 1e-9)

@@ -5,6 +5,10 @@
   tools/gyre-env python tools/sim_table.py --assumptions      one preset, one assumption
                                                               changed at a time
   tools/gyre-env python tools/sim_table.py --all              both
+  tools/gyre-env python tools/sim_table.py --losses [PRESET ...]
+                                                              where elastic's and async-stream's
+                                                              cell-seconds go, against the
+                                                              lower bound's
 
 Speedups are makespan ratios (other / elastic's). "Published" columns are the figures of
 the published runs (the presets cite them) and of the published ablation (streaming
@@ -19,7 +23,10 @@ import sys
 
 from gyre_slurm.config.presets import preset_path
 from gyre_slurm.config.schema import load_config
-from gyre_slurm.sim.runner import compare
+from gyre_slurm.sched.policies import named_policy
+from gyre_slurm.sim.bounds import lower_bound
+from gyre_slurm.sim.runner import best_async, compare, simulate
+from gyre_slurm.sim.workload import sample_workload
 
 PRESETS = ("terminalbench-122b", "deepswe-122b", "nl2repo-122b", "nl2repo-2.4t",
            "terminalbench-122b-growing", "deepswe-122b-curriculum")
@@ -93,8 +100,35 @@ def assumptions() -> None:
               f"{stream / e:.2f}x | {plain / e:.2f}x |", flush=True)
 
 
+def losses(presets) -> None:
+    """Each policy's cell-seconds (cells x makespan), as a share of what the lower bound
+    needs (rollout at full load, training at the best per-node rate): rollout cells not
+    full, training cells waiting for groups, training slower than the best rate (wider
+    worlds), cells in transit."""
+    print("| preset | policy | makespan / bound | cell-s / bound's need | rollout not full "
+          "| training idle | training below best rate | in transit |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in presets:
+        cfg = load_config(preset_path(name))
+        w = sample_workload(cfg)
+        b = lower_bound(cfg, w)
+        need = b["rollout_cell_s"] + b["train_cell_s"]
+        split, stream, _ = best_async(cfg, w, streaming=True, name="async-stream")
+        for label, res in (("elastic", simulate(cfg, named_policy(cfg, "elastic"), w)),
+                           (f"async-stream ({split})", stream)):
+            t = res.cell_time()
+            held = cfg.cluster.num_cells * res.makespan_s
+            print(f"| {name} | {label} | {res.makespan_s / b['lower_bound_s']:.3f} | "
+                  f"{held / need:.3f} | {(t['rollout_s'] - t['rollout_busy_s']) / need:.1%} | "
+                  f"{(t['train_s'] - t['train_busy_s']) / need:.1%} | "
+                  f"{(t['train_busy_s'] - b['train_cell_s']) / need:.1%} | "
+                  f"{t['transit_s'] / need:.1%} |", flush=True)
+
+
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["--assumptions"]:
+    if argv[:1] == ["--losses"]:
+        losses(tuple(argv[1:]) or PRESETS)
+    elif argv[:1] == ["--assumptions"]:
         assumptions()
     elif argv[:1] == ["--all"]:  # both, each comparison run once
         tables(PRESETS)

@@ -47,6 +47,17 @@ class SimResult:
     migrations: int
     timeline: list[tuple[int, float, float, str]] = field(default_factory=list)
     decisions: list[dict] = field(default_factory=list)
+    busy_cell_s: dict[str, float] = field(default_factory=dict)  # rollout / train busy
+
+    def cell_time(self) -> dict[str, float]:
+        """Where the cell-seconds went: held in rollout (busy: load / capacity), held in
+        training (busy: computing), in transit (draining or loading)."""
+        held: dict[str, float] = collections.defaultdict(float)
+        for _, t0, t1, state in self.timeline:
+            held["transit" if "->" in state else state] += t1 - t0
+        return {"rollout_s": held["rollout"], "rollout_busy_s": self.busy_cell_s["rollout"],
+                "train_s": held["train"], "train_busy_s": self.busy_cell_s["train"],
+                "transit_s": held["transit"]}
 
     def summary(self) -> dict:
         return {"makespan_s": round(float(self.makespan_s), 1),
@@ -411,4 +422,6 @@ class Simulator:
             runs_finished=int((self.status == DONE).sum()),
             work_done_s=self.work_done, migrations=self.migrations,
             timeline=self.timeline, decisions=self.decisions,
+            busy_cell_s={"rollout": float(self.rollout.busy_cell_s.sum()),
+                         "train": float(self.train_busy_cell_s.sum())},
         )
