@@ -24,6 +24,7 @@ TINY = ["workload.num_steps=4", "workload.prompts_per_step=2", "workload.group_s
         "rollout.runs_per_node=4", "agent.max_tokens=8", "scheduler.confirm_s=0.3",
         "scheduler.min_dwell_s=0.5", "workload.duration.mean_s=1.0", "scheduler.forecast=false",
         "scheduler.hysteresis=0", "scheduler.interval_s=0.2",
+        "scheduler.drain=migrate",  # the rule cancels a wait drain when a queue forms
         "agent.env_params={tool_mean_s: 1.0, tool_sigma: 0.5, tool_max_s: 3.0}"]
 AGENT_LOST = {"kind": "agent_lost", "node": 2, "error": "node agent 2 silent for 9.0s"}
 

@@ -24,7 +24,9 @@ def small_config(tmp_path: Path, *, base: str = "tiny.yaml", num_steps: int = 4,
     cfg = yaml.safe_load((ROOT / "configs" / base).read_text())
     cfg["workload"].update(num_steps=num_steps, prompts_per_step=2, group_size=4)
     cfg["workload"]["duration"] = {"mean_s": 1.0, "sigma": 0.5}
-    cfg["scheduler"].update(confirm_s=0.3, min_dwell_s=0.5, forecast=False, hysteresis=0.0)
+    # the migrate drain: the rule cancels a wait drain as soon as a queue forms
+    cfg["scheduler"].update(confirm_s=0.3, min_dwell_s=0.5, forecast=False, hysteresis=0.0,
+                            drain="migrate")
     cfg["scheduler"]["interval_s"] = 0.2
     cfg["rollout"]["runs_per_node"] = 4
     cfg["agent"].update(max_tokens=8,

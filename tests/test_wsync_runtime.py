@@ -54,6 +54,7 @@ def test_elastic_streams_every_policy_and_a_released_cell_gets_the_current_one(t
     run_dir = tmp_path / "elastic"
     proc = gyre_run(run_dir, *FAST, *STREAM, "workload.num_steps=6",
                     "scheduler.forecast=false", "scheduler.hysteresis=0",
+                    "scheduler.drain=migrate",  # the rule cancels a wait drain at a queue
                     "scheduler.interval_s=0.2", "rollout.weight_bucket_mb=0.2",
                     "agent.env_params={tool_mean_s: 1.0, tool_sigma: 0.5, tool_max_s: 3.0}")
     assert proc.returncode == 0, proc.stderr[-4000:]
