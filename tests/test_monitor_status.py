@@ -140,6 +140,17 @@ def test_failures_are_listed_in_red(run_dir):
     assert red and all("\x1b[1;31m" in line for line in red)
 
 
+def test_dropped_decisions_and_cancelled_drains_are_listed(run_dir):
+    append_event(run_dir, {"kind": "decision_dropped", "cell": 2, "to": "train",
+                           "cause": "release", "why": "the cell is draining in a handoff to "
+                           "train", "reason": "r", "drain": "wait", "t_run_s": 9.0})
+    append_event(run_dir, {"kind": "handoff_cancelled", "direction": "rollout->train",
+                           "cells": [2], "drain_s": 0.31, "others": []})
+    plain = gyre("status", str(run_dir), "--once").stdout
+    assert "decision cell 2 -> train (release) not carried out" in plain
+    assert "handoff rollout->train of cells [2] cancelled" in plain
+
+
 def test_rollout_slots_are_counted_against_the_run_dirs_cell_capacity(source_run, tmp_path):
     """A cell serves rollout.runs_per_node x cluster.cell_nodes runs (a run dir of the older
     layout: runtime.runs_per_cell); the live view's occupancy needs it."""

@@ -23,8 +23,9 @@ from gyre_slurm.sim.report import ROLE_COLORS
 
 SPARK = "▁▂▃▄▅▆▇█"
 STRIP_S = 40
-SHOWN_KINDS = ("decision", "handoff", "step", "checkpoint", "resume", "finish", "start",
-               "weights_loaded", "weights_streamed", *model.FAILURE_KINDS)
+SHOWN_KINDS = ("decision", "decision_dropped", "handoff", "handoff_cancelled", "step",
+               "checkpoint", "resume", "finish", "start", "weights_loaded", "weights_streamed",
+               *model.FAILURE_KINDS)
 
 
 def role_style(role: str, target: str | None = None) -> str:
@@ -161,6 +162,12 @@ def describe(snap: model.Snapshot, e: dict) -> Text:
     if kind == "decision":
         body = f"decision cell {e.get('cell')} -> {e.get('to')} ({e.get('cause')}, " \
                f"drain {e.get('drain')}): {e.get('reason', '')}"
+    elif kind == "decision_dropped":
+        body = f"decision cell {e.get('cell')} -> {e.get('to')} ({e.get('cause')}) not " \
+               f"carried out: {e.get('why')}"
+    elif kind == "handoff_cancelled":
+        body = f"handoff {e.get('direction')} of cells {e.get('cells')} cancelled after " \
+               f"{e.get('drain_s', 0):.2f}s of drain"
     elif kind == "handoff":
         body = f"handoff {e.get('direction')} cells {e.get('cells')} in " \
                f"{e.get('total_s', 0):.2f}s (drain {e.get('drain_s', 0):.2f}s)"
