@@ -28,6 +28,13 @@ ASYNC = FAST + ["scheduler.policy=async",
                 "faults.engine_check_s=1", "faults.engine_health_timeout_s=2",
                 "faults.engine_strikes=2"]
 
+# Training held to ~4 s a step on one node (8 runs of ~80 tokens at 150 tokens/s): the
+# rollout cells wait on the staleness bound between steps, so the waterlevel rule moves a
+# cell to training early in the job, with steps left to train. Without it the rule found
+# rollout idle only once the last runs were out, and the job could end (its last step
+# trained by the training floor alone) before the moved cell ever joined.
+TRAINING_BOUND = ["trainer.pace=true", "training.node_tokens_per_s=150"]
+
 
 def start_run(run_dir: Path, *extra: str, failpoint: str | None = None) -> subprocess.Popen:
     """`failpoint`: GYRE_FAILPOINT for the job's training ranks (train/rankproc.py)."""
@@ -162,7 +169,7 @@ def test_a_node_lost_while_its_cell_joins_the_training_world(tmp_path):
     proc = start_run(run_dir, f"workload.num_steps={num_steps}", "scheduler.policy=elastic",
                      "scheduler.forecast=false", "scheduler.hysteresis=0",
                      "scheduler.drain=migrate",  # a wait drain may outlast the job
-                     "scheduler.interval_s=0.2")
+                     "scheduler.interval_s=0.2", *TRAINING_BOUND)
     try:
         layout = faults.wait_event(run_dir, "layout", timeout_s=120)
         assert layout["roles"][:3] == ["rollout", "train", "rollout"], layout
@@ -242,7 +249,7 @@ def test_a_member_lost_while_another_cell_joins_resumes_the_handoff(tmp_path):
     proc = start_run(run_dir, f"workload.num_steps={num_steps}", "scheduler.policy=elastic",
                      "scheduler.forecast=false", "scheduler.hysteresis=0",
                      "scheduler.drain=migrate",  # a wait drain may outlast the job
-                     "scheduler.interval_s=0.2", failpoint="join:1:2")
+                     "scheduler.interval_s=0.2", *TRAINING_BOUND, failpoint="join:1:2")
     try:
         layout = faults.wait_event(run_dir, "layout", timeout_s=120)
         assert layout["roles"][:2] == ["rollout", "train"], layout
