@@ -124,6 +124,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(units.parent, ignore_errors=True)
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest -p no:xdist must still run
 def pytest_configure_node(node) -> None:  # the controller, before a worker starts
     units = getattr(node.config, "_gyre_units", None)
     if units is not None:
@@ -143,6 +144,7 @@ class PackedScheduling(LoadScopeScheduling):
         return self._units.get(nodeid) or nodeid.split("::", 1)[0]
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     units = getattr(config, "_gyre_units", None)
     if units is None:
