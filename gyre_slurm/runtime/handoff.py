@@ -165,7 +165,7 @@ class Handoffs:
         clients = {sid: c for got, _ in started for sid, (c, _) in got.items()}
         if self.wsync is not None:
             held = {sid: v for got, _ in started for sid, (_, v) in got.items()}
-            await self._stream_to_joiners(clients, held)
+            await self._to_current(clients, held)
         else:
             versions = {v for got, _ in started for _, v in got.values()}
             await catch_up(list(clients.values()), job, min(versions))
@@ -198,20 +198,24 @@ class Handoffs:
                 got[ServerId(cell, node, k)] = (client, res.get("weights_version", version))
         return got, max(float(res.get("engine_start_s", 0.0)) for res in results)
 
-    async def _stream_to_joiners(self, clients: dict, held: dict) -> None:
-        """Streamed sync: servers that do not hold the current policy get it from the
-        training ranks (a step that ends meanwhile is caught up the same way). A server
-        that does not get it fails the bring-up, loudly."""
+    async def _to_current(self, clients: dict, held: dict) -> None:
+        """Servers that do not hold the current policy (`held`: sid -> version) get it:
+        streamed from the training ranks, or loaded from its file; a step that ends
+        meanwhile is caught up the same way, for every server of `clients`. A server that
+        does not get it fails the bring-up, loudly."""
         while True:
             version = self.job.book.version
             stale = {sid: c for sid, c in clients.items() if held.get(sid) != version}
             if not stale:
                 return
-            sent, outcome = await self.wsync.bring_up(stale)
-            bad = {str(sid): why for sid, why in outcome.items() if why}
-            if bad:
-                raise RuntimeError(f"servers {sorted(bad)} did not get policy version "
-                                   f"{sent} by the streamed weight sync: {bad}")
+            if self.wsync is None:
+                sent = await catch_up(list(stale.values()), self.job, -1)  # -1: the current
+            else:
+                sent, outcome = await self.wsync.bring_up(stale)
+                bad = {str(sid): why for sid, why in outcome.items() if why}
+                if bad:
+                    raise RuntimeError(f"servers {sorted(bad)} did not get policy version "
+                                       f"{sent} by the streamed weight sync: {bad}")
             held.update({sid: sent for sid in stale})
 
     async def load_weights_everywhere(self, version: int) -> None:
@@ -337,12 +341,7 @@ class Handoffs:
                 bad[sid] = f"health {res!r}"[:300]
         live = {sid: c for sid, c in clients.items() if sid in held}
         try:
-            if self.wsync is not None:
-                await self._stream_to_joiners(live, held)
-            else:
-                stale = {sid: c for sid, c in live.items() if held[sid] != job.book.version}
-                if stale:
-                    await catch_up(list(stale.values()), job, -1)  # -1: load the current
+            await self._to_current(live, held)
         except (RuntimeError, asyncio.TimeoutError) as exc:  # EngineError is one
             bad.update({sid: f"{type(exc).__name__}: {exc}"[:300] for sid in live})
             live = {}
