@@ -18,7 +18,7 @@ import faults
 from gyre_slurm.common.fsio import read_jsonl
 from gyre_slurm.runtime.book import StepBook
 from runtime_checks import check_run_dir
-from test_runtime_e2e import FAST, ROOT
+from test_runtime_e2e import FAST, ROOT, WATERLEVEL
 
 # async: cells 0 and 1 roll out, 2 and 3 train, and no cell ever moves, so a fault is
 # the only thing that changes the layout.
@@ -167,9 +167,7 @@ def test_a_node_lost_while_its_cell_joins_the_training_world(tmp_path):
     run_dir = tmp_path / "run"
     num_steps = 6
     proc = start_run(run_dir, f"workload.num_steps={num_steps}", "scheduler.policy=elastic",
-                     "scheduler.forecast=false", "scheduler.hysteresis=0",
-                     "scheduler.drain=migrate",  # a wait drain may outlast the job
-                     "scheduler.interval_s=0.2", *TRAINING_BOUND)
+                     *WATERLEVEL, *TRAINING_BOUND)
     try:
         layout = faults.wait_event(run_dir, "layout", timeout_s=120)
         assert layout["roles"][:3] == ["rollout", "train", "rollout"], layout
@@ -247,9 +245,7 @@ def test_a_member_lost_while_another_cell_joins_resumes_the_handoff(tmp_path):
     run_dir = tmp_path / "run"
     num_steps = 6
     proc = start_run(run_dir, f"workload.num_steps={num_steps}", "scheduler.policy=elastic",
-                     "scheduler.forecast=false", "scheduler.hysteresis=0",
-                     "scheduler.drain=migrate",  # a wait drain may outlast the job
-                     "scheduler.interval_s=0.2", *TRAINING_BOUND, failpoint="join:1:2")
+                     *WATERLEVEL, *TRAINING_BOUND, failpoint="join:1:2")
     try:
         layout = faults.wait_event(run_dir, "layout", timeout_s=120)
         assert layout["roles"][:2] == ["rollout", "train"], layout

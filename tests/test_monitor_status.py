@@ -16,15 +16,14 @@ from pathlib import Path
 import pytest
 
 from gyre_slurm.monitor import model
+from test_runtime_e2e import WATERLEVEL
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = Path(os.environ["GYRE_EXAMPLE_RUN_DIR"]) if "GYRE_EXAMPLE_RUN_DIR" in os.environ \
     else None
 TINY = ["workload.num_steps=4", "workload.prompts_per_step=2", "workload.group_size=4",
         "rollout.runs_per_node=4", "agent.max_tokens=8", "scheduler.confirm_s=0.3",
-        "scheduler.min_dwell_s=0.5", "workload.duration.mean_s=1.0", "scheduler.forecast=false",
-        "scheduler.hysteresis=0", "scheduler.interval_s=0.2",
-        "scheduler.drain=migrate",  # the rule cancels a wait drain when a queue forms
+        "scheduler.min_dwell_s=0.5", "workload.duration.mean_s=1.0", *WATERLEVEL,
         "agent.env_params={tool_mean_s: 1.0, tool_sigma: 0.5, tool_max_s: 3.0}"]
 AGENT_LOST = {"kind": "agent_lost", "node": 2, "error": "node agent 2 silent for 9.0s"}
 

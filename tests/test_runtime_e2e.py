@@ -28,6 +28,12 @@ FAST = [
     "agent.env_params={tool_mean_s: 0.4, tool_sigma: 1.0, tool_max_s: 3.0}",
     "scheduler.confirm_s=0.3", "scheduler.min_dwell_s=0.5", "workload.duration.mean_s=0.4",
 ]
+# The plain waterlevel rule (no forecast, no hysteresis) on a fast tick: cells move both
+# ways within a short run. With the migrate drain: the rule cancels a wait drain as soon
+# as a queue forms (the runtime carries cancel_drain out), and a wait drain may outlast
+# the job.
+WATERLEVEL = ["scheduler.forecast=false", "scheduler.hysteresis=0", "scheduler.interval_s=0.2",
+              "scheduler.drain=migrate"]
 
 
 def gyre_run(run_dir: Path, *extra: str, resume: bool = False, timeout_s: float = 300):
@@ -127,13 +133,9 @@ def check_summary(stdout: str, run_dir: Path, events: list[dict], records: list[
 def test_elastic_moves_cells_both_ways(tmp_path):
     # Runs of ~1 s against a ~1 s handoff: the forecast would rightly see most queues
     # drain before a reclaimed cell could serve, so it is off here, with no hysteresis
-    # and a fast policy tick, so that both directions happen in a short run. The
-    # migrate drain: the rule cancels a wait drain as soon as a queue forms (the runtime
-    # carries cancel_drain out), and a wait drain may outlast the job.
+    # and a fast policy tick, so that both directions happen in a short run (WATERLEVEL).
     run_dir = tmp_path / "elastic"
-    proc = gyre_run(run_dir, *FAST, "workload.num_steps=6", "scheduler.forecast=false",
-                    "scheduler.hysteresis=0", "scheduler.interval_s=0.2",
-                    "scheduler.drain=migrate",
+    proc = gyre_run(run_dir, *FAST, "workload.num_steps=6", *WATERLEVEL,
                     "agent.env_params={tool_mean_s: 1.0, tool_sigma: 0.5, tool_max_s: 3.0}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     events = check_run_dir(run_dir, num_steps=6)

@@ -14,7 +14,7 @@ import pytest
 import faults
 from runtime_checks import check_run_dir
 from test_faults_nodes import finish, kill_node, start_run, stopped_rank
-from test_runtime_e2e import FAST, gyre_run
+from test_runtime_e2e import FAST, WATERLEVEL, gyre_run
 
 pytestmark = pytest.mark.slow
 STREAM = ["rollout.weight_sync=stream"]
@@ -52,10 +52,8 @@ def check_served_policy_is_the_trainers(events: list[dict]) -> None:
 
 def test_elastic_streams_every_policy_and_a_released_cell_gets_the_current_one(tmp_path):
     run_dir = tmp_path / "elastic"
-    proc = gyre_run(run_dir, *FAST, *STREAM, "workload.num_steps=6",
-                    "scheduler.forecast=false", "scheduler.hysteresis=0",
-                    "scheduler.drain=migrate",  # the rule cancels a wait drain at a queue
-                    "scheduler.interval_s=0.2", "rollout.weight_bucket_mb=0.2",
+    proc = gyre_run(run_dir, *FAST, *STREAM, "workload.num_steps=6", *WATERLEVEL,
+                    "rollout.weight_bucket_mb=0.2",
                     "agent.env_params={tool_mean_s: 1.0, tool_sigma: 0.5, tool_max_s: 3.0}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     events = check_run_dir(run_dir, num_steps=6)
