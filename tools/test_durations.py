@@ -4,7 +4,7 @@
     python tools/test_durations.py LOG [LOG...]  # rewrites tests/durations.json
 
 Reads pytest's "slowest durations" lines (`12.34s call tests/x.py::t[p]`), sums setup,
-call and teardown per test (an xdist_group's `@name` suffix dropped) and merges them into
+call and teardown per test and merges them into
 tests/durations.json: a test in the logs gets its new figure, the others keep theirs
 (pytest hides those under 5 ms unless -vv: they count schedule.DEFAULT_S).
 Prints the per-file sums, longest first, and the longest-first packing's modelled wall
@@ -30,10 +30,7 @@ def parse(text: str) -> dict[str, float]:
     for line in text.splitlines():
         m = LINE.match(line)
         if m:
-            nodeid = m.group(3)
-            if nodeid.rfind("@") > nodeid.rfind("]"):  # loadgroup's "@group" suffix
-                nodeid = nodeid.rsplit("@", 1)[0]
-            out[nodeid] += float(m.group(1))
+            out[m.group(3)] += float(m.group(1))
     return dict(out)
 
 
