@@ -115,6 +115,7 @@ def test_an_empty_answer_ends_the_rollout_and_its_score_is_trained(model_dir,
                           env_args='{"turns": 4}')
     assert record["status"] == "ok", record
     assert "EmptyModelResponseError" in record["env_info"]["error"]
+    assert record["env_info"]["policy_error"] is True
     assert record["reward"] == pytest.approx(2 / 4 + 0.1)
     assert calls == record["num_calls"] == 4
 

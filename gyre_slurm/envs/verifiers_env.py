@@ -141,7 +141,7 @@ class VerifiersEnv:
             raise RuntimeError(f"verifiers rollout failed (exit {code}): "
                                f"{out.get('error') or 'no result'}; log {log_path}: ...{tail}")
         info = {k: out.get(k) for k in ("metrics", "example_id", "stop_condition",
-                                        "is_truncated", "error")}  # error: the policy's
+                                        "is_truncated", "error", "policy_error")}
         return StepResult(observation="", reward=float(out["reward"]), done=True, info=info)
 
 
