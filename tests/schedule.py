@@ -5,14 +5,21 @@ each worker one *unit* at a time, in the order below, and a unit never spans two
 This plugin decides the units and their order (`tests/conftest.py` imports its hooks):
 
 - A unit is one test file, so that its module fixtures (an engine, a whole `gyre run`
-  checked by several tests) are made once; except in the few files that take longer than
-  `SPLIT_OVER_S` on their own, which are split into their tests, keeping together the
-  tests that share a module- or class-scoped fixture (they stay one unit, in file order).
+  checked by several tests) are made once; except that a file's tests marked slow and its
+  other tests are units apart (the *light* unit: `path#light`), and that in the few files
+  whose slow tests take longer than `SPLIT_OVER_S` the slow tests are units of their own.
+  Tests that share a module- or class-scoped fixture always stay one unit, in file order.
 - The units run longest first (their tests' recorded durations summed, from
   `tests/durations.json`), so that a long file never starts last while the other worker
   idles (longest-processing-time-first packing). `--dist loadfile` alone runs the files
   in xdist's order, by number of tests, which says little here (one `gyre run` outlasts a
   hundred unit tests).
+- With GYRE_TEST_HEAVY_WORKERS=H, the workers past the first H take light units only, and
+  the first H take the slow ones first. The slow tests are mostly waiting on the processes
+  they start (a whole suite used 142% of 2 cores on 2 workers): a third worker that runs
+  the unit tests beside them fills the idle core without a third engine or cluster
+  competing for memory and CPU (3 workers taking any unit thrashed here). The light
+  workers run at nice +10, so that they take the idle core, not the slow tests' share.
 
 How: each worker orders its collection (`pytest_collection_modifyitems`) and writes the
 units it made to a file the controller named (`workerinput`); the controller's scheduler
@@ -88,8 +95,14 @@ def _split_file(items: list[pytest.Item]) -> list[list[pytest.Item]]:
     return list(units.values())
 
 
-def plan(items: list[pytest.Item], durations: dict[str, float]) -> list[tuple[str, list]]:
-    """(unit name, items) longest first; a pure function of the collection and durations."""
+def _slow(item: pytest.Item) -> bool:
+    return item.get_closest_marker("slow") is not None
+
+
+def plan(items: list[pytest.Item], durations: dict[str, float]) -> list[tuple[str, list, bool]]:
+    """(unit name, items, light) longest first; a pure function of the collection and
+    durations. A light unit has no test marked slow (a file's slow and other tests are
+    units apart unless they share a fixture)."""
     by_file: dict[str, list[pytest.Item]] = defaultdict(list)
     for item in items:
         by_file[item.nodeid.split("::", 1)[0]].append(item)
@@ -97,13 +110,20 @@ def plan(items: list[pytest.Item], durations: dict[str, float]) -> list[tuple[st
     def cost(unit: list[pytest.Item]) -> float:
         return sum(durations.get(it.nodeid, DEFAULT_S) for it in unit)
 
-    units: list[tuple[str, list]] = []
+    units: list[tuple[str, list, bool]] = []
     for path, file_items in by_file.items():
-        if cost(file_items) <= SPLIT_OVER_S:
-            units.append((path, file_items))
-            continue
-        for k, unit in enumerate(_split_file(file_items)):
-            units.append((f"{path}#{k}", unit))
+        groups = _split_file(file_items)
+        for light, suffix in ((False, "#slow"), (True, "#light")):
+            part = [g for g in groups if light != any(map(_slow, g))]
+            if not part:
+                continue
+            name = path if len(part) == len(groups) else path + suffix
+            members = {id(it) for g in part for it in g}
+            whole = [it for it in file_items if id(it) in members]  # in file order
+            if cost(whole) <= SPLIT_OVER_S:
+                units.append((name, whole, light))
+            else:
+                units.extend((f"{name}#{k}", g, light) for k, g in enumerate(part))
     units.sort(key=lambda u: -cost(u[1]))  # stable: equal costs keep collection order
     return units
 
@@ -113,7 +133,23 @@ def _packing(config: pytest.Config) -> bool:
             and config.getvalue("dist") in ("loadfile", "loadscope"))
 
 
+def _heavy_workers() -> int | None:
+    heavy = os.environ.get("GYRE_TEST_HEAVY_WORKERS")
+    return int(heavy) if heavy else None
+
+
+def _is_light_worker(workerid: str, heavy: int | None) -> bool:
+    return heavy is not None and int(workerid.removeprefix("gw")) >= heavy
+
+
+LIGHT_NICE = 10
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    worker = getattr(config, "workerinput", None)
+    if worker and worker.get("gyre_units") and _is_light_worker(worker["workerid"],
+                                                                 _heavy_workers()):
+        os.nice(LIGHT_NICE)  # it runs on what the slow tests leave idle, not against them
     if _packing(config):
         config._gyre_units = Path(tempfile.mkdtemp(prefix="gyre-units-")) / "units.json"
 
@@ -132,16 +168,52 @@ def pytest_configure_node(node) -> None:  # the controller, before a worker star
 
 
 class PackedScheduling(LoadScopeScheduling):
-    """xdist's loadscope scheduler, its scopes being the units the workers wrote."""
+    """xdist's loadscope scheduler, its scopes being the units the workers wrote; the
+    workers past the first `heavy` take light units only (none of the slow tests, which
+    start engines, worlds and clusters), and the others prefer the units that are not."""
 
-    def __init__(self, config: pytest.Config, log, units: Path) -> None:
+    def __init__(self, config: pytest.Config, log, units: Path, heavy: int | None) -> None:
         super().__init__(config, log)
-        self._units_file, self._units = units, None
+        self._units_file, self._units, self._light = units, None, set()
+        self._heavy = heavy
+
+    def _read_units(self) -> None:
+        if self._units is None:  # read once all workers have collected (and written it)
+            data = json.loads(self._units_file.read_text())
+            self._units, self._light = data["units"], set(data["light"])
 
     def _split_scope(self, nodeid: str) -> str:
-        if self._units is None:  # read once all workers have collected (and written it)
-            self._units = json.loads(self._units_file.read_text())
+        self._read_units()
         return self._units.get(nodeid) or nodeid.split("::", 1)[0]
+
+    def _light_only(self, node) -> bool:
+        return _is_light_worker(node.workerinput["workerid"], self._heavy)
+
+    def _has_light_workers(self) -> bool:
+        return self._heavy is not None and len(self.nodes) > self._heavy
+
+    def _next_scope(self, node) -> str | None:
+        """The unit `node` takes next, in the queue's order: a light worker the first light
+        unit; a heavy worker the first slow one, or once none is left and only when idle
+        (not as the next unit it queues), the first light one. None: nothing for it now."""
+        self._read_units()
+        if not self._has_light_workers():
+            return next(iter(self.workqueue))
+        if self._light_only(node):
+            return next((s for s in self.workqueue if s in self._light), None)
+        heavy = next((s for s in self.workqueue if s not in self._light), None)
+        if heavy is not None or self._pending_of(self.assigned_work.get(node, {})):
+            return heavy
+        return next(iter(self.workqueue))
+
+    def _assign_work_unit(self, node) -> None:
+        scope = self._next_scope(node)
+        if scope is None:  # a light worker with no light unit left is done
+            if self._light_only(node) and not self._pending_of(self.assigned_work.get(node, {})):
+                node.shutdown()
+            return
+        self.workqueue.move_to_end(scope, last=False)
+        super()._assign_work_unit(node)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -150,7 +222,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     if units is None:
         return None
     config.option.loadscopereorder = False  # our order, not xdist's by number of tests
-    return PackedScheduling(config, log, units)
+    return PackedScheduling(config, log, units, _heavy_workers())
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -158,12 +230,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     path = getattr(config, "workerinput", {}).get("gyre_units")
     if not path:
         return
-    ordered, names = [], {}
-    for name, unit in plan(items, _durations()):
+    ordered, names, light = [], {}, []
+    for name, unit, is_light in plan(items, _durations()):
         for item in unit:
             ordered.append(item)
             names[item.nodeid] = name
+        if is_light:
+            light.append(name)
     items[:] = ordered
-    tmp = Path(f"{path}.{os.getpid()}.tmp")  # both workers write the same: atomic
-    tmp.write_text(json.dumps(names))
+    tmp = Path(f"{path}.{os.getpid()}.tmp")  # every worker writes the same: atomic
+    tmp.write_text(json.dumps({"units": names, "light": light}))
     tmp.replace(path)

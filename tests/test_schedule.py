@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from schedule import LIGHT_NICE
+
 TESTS = Path(__file__).resolve().parent
 
 LONG = '''
@@ -55,6 +57,7 @@ def test_units_are_long_files_split_by_shared_fixture_longest_first(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(TESTS), LOG=str(log), GYRE_TEST_PACK="1",
                GYRE_TEST_DURATIONS=str(tmp_path / "durations.json"))
     env.pop("CI", None)
+    env.pop("GYRE_TEST_HEAVY_WORKERS", None)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "schedule", "-p", "no:cacheprovider",
          f"--rootdir={tmp_path}", "-q", "-n", "2", "--dist", "loadfile",
@@ -72,3 +75,60 @@ def test_units_are_long_files_split_by_shared_fixture_longest_first(tmp_path):
     assert worker["long::d"] != worker["long::a"]
     assert start["short::e"] > min(start["long::a"], start["long::d"])
     assert start["long::b"] > start["long::d"]
+
+
+MIXED = '''
+import os, time, pytest
+
+def log(name):
+    with open(os.environ["LOG"], "a") as f:
+        f.write(f"{name} {os.environ['PYTEST_XDIST_WORKER']} {time.monotonic()}\\n")
+
+@pytest.mark.slow
+def test_s1():
+    log("mixed::s1"); time.sleep(1.0)
+
+def test_l1():
+    log("mixed::l1")
+
+@pytest.mark.slow
+def test_s2():
+    log("mixed::s2"); time.sleep(1.0)
+'''
+UNIT = '''
+import os, time
+def test_u():
+    with open(os.environ["LOG"], "a") as f:
+        f.write(f"unit::u {os.environ['PYTEST_XDIST_WORKER']} {os.nice(0)}\\n")
+'''
+
+
+def test_a_light_worker_runs_only_the_tests_not_marked_slow(tmp_path):
+    """Three workers, GYRE_TEST_HEAVY_WORKERS=2: the slow tests run on gw0/gw1 only, the
+    third worker takes the others (a file's unmarked tests apart from its slow ones), and
+    the run ends (the light worker stops once no light unit is left). The light worker runs
+    niced, on the core the slow tests leave idle."""
+    (tmp_path / "test_mixed.py").write_text(MIXED)
+    (tmp_path / "test_unit.py").write_text(UNIT)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n")
+    durations = {"test_mixed.py::test_s1": 200, "test_mixed.py::test_s2": 100,
+                 "test_mixed.py::test_l1": 1, "test_unit.py::test_u": 1}
+    (tmp_path / "durations.json").write_text(json.dumps(durations))
+    log = tmp_path / "log"
+    env = dict(os.environ, PYTHONPATH=str(TESTS), LOG=str(log), GYRE_TEST_PACK="1",
+               GYRE_TEST_HEAVY_WORKERS="2",
+               GYRE_TEST_DURATIONS=str(tmp_path / "durations.json"))
+    env.pop("CI", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "schedule", "-p", "no:cacheprovider",
+         f"--rootdir={tmp_path}", "-q", "-n", "3", "--dist", "loadfile",
+         "test_unit.py", "test_mixed.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "4 passed" in proc.stdout, proc.stdout + proc.stderr
+    rows = [line.split() for line in log.read_text().splitlines()]
+    worker = {name: w for name, w, _ in rows}
+    nice = {name: int(v) for name, _, v in rows if name == "unit::u"}
+    assert nice["unit::u"] >= os.nice(0) + LIGHT_NICE or nice["unit::u"] == 19
+    assert worker["mixed::s1"] in ("gw0", "gw1") and worker["mixed::s2"] in ("gw0", "gw1")
+    assert worker["mixed::s1"] != worker["mixed::s2"]  # split: 300 s > SPLIT_OVER_S
+    assert worker["mixed::l1"] == worker["unit::u"] == "gw2"
