@@ -1,6 +1,5 @@
 """The rendezvous store and the worlds listen on loopback only; world specs are checked."""
 
-import contextlib
 import os
 import socket
 from pathlib import Path
@@ -52,44 +51,45 @@ def test_store_listens_on_the_given_loopback_address_only():
         del store
 
 
-@contextlib.contextmanager
-def world_of(tmp_path, n: int):
-    """`n` worker processes joined in one gloo world on loopback."""
-    model_dir = make_model_dir(tmp_path / "model", vocab_size=300, hidden_size=16,
-                               num_layers=1, num_heads=2, max_positions=32)
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """3 worker processes joined in one gloo world on loopback, shared by the tests below
+    (each start of the processes imports torch: seconds of CPU per process)."""
+    model_dir = make_model_dir(tmp_path_factory.mktemp("world") / "model", vocab_size=300,
+                               hidden_size=16, num_layers=1, num_heads=2, max_positions=32)
     store, port = host_store("127.0.0.1")
     try:
-        with WorkerProcesses(n, model_dir=model_dir) as w:
-            spec = WorldSpec(1, n, "127.0.0.1", port)
+        with WorkerProcesses(3, model_dir=model_dir) as w:
+            spec = WorldSpec(1, 3, "127.0.0.1", port)
             # the workers import torch first: minutes on a loaded CI machine, not seconds
-            w.call({i: ("join", {"spec": spec, "rank": i, "src_rank": 0}) for i in range(n)},
+            w.call({i: ("join", {"spec": spec, "rank": i, "src_rank": 0}) for i in range(3)},
                    timeout_s=240)
             yield w
     finally:
         del store
 
 
-def test_world_members_listen_on_loopback_only(tmp_path):
-    with world_of(tmp_path, 2) as w:
-        assert w.call_all("all_reduce_sum", value=2.0, timeout_s=60) == {0: 4.0, 1: 4.0}
-        sockets = [s for pid in w.pids for s in listening(pid)]
-        assert sockets  # gloo listens for its peers ...
-        assert all(addr.startswith("127.") for addr, _ in sockets), sockets  # ... on lo
+def test_world_members_listen_on_loopback_only(world):
+    assert world.call_all("all_reduce_sum", value=2.0, timeout_s=60) == {0: 6.0, 1: 6.0,
+                                                                         2: 6.0}
+    sockets = [s for pid in world.pids for s in listening(pid)]
+    assert sockets  # gloo listens for its peers ...
+    assert all(addr.startswith("127.") for addr, _ in sockets), sockets  # ... on lo
 
 
-def test_text_and_bytes_cross_the_world_without_pickle(tmp_path):
+def test_text_and_bytes_cross_the_world_without_pickle(world):
     """What Megatron ranks exchange (the publish directory, each shard's safetensors bytes)
     travels as uint8 tensors: any length, empty, None, non-ASCII, in rank order."""
-    with world_of(tmp_path, 3) as w:
-        for text in ("/lustre/run/weights/v000003 ü", None, ""):
-            got = w.call({i: ("broadcast_text", {"text": text if i == 1 else "ignored",
-                                                 "src": 1}) for i in range(3)}, timeout_s=60)
-            assert got == {0: text, 1: text, 2: text}
-        payloads = {0: b"", 1: bytes(range(256)) * 40, 2: b"\x00pieces"}
-        got = w.call({i: ("gather_bytes", {"payload": payloads[i], "dst": 2})
-                      for i in range(3)}, timeout_s=60)
-        assert got[0] is None and got[1] is None
-        assert got[2] == [payloads[0], payloads[1], payloads[2]]
+    w = world
+    for text in ("/lustre/run/weights/v000003 ü", None, ""):
+        got = w.call({i: ("broadcast_text", {"text": text if i == 1 else "ignored",
+                                             "src": 1}) for i in range(3)}, timeout_s=60)
+        assert got == {0: text, 1: text, 2: text}
+    payloads = {0: b"", 1: bytes(range(256)) * 40, 2: b"\x00pieces"}
+    got = w.call({i: ("gather_bytes", {"payload": payloads[i], "dst": 2})
+                  for i in range(3)}, timeout_s=60)
+    assert got[0] is None and got[1] is None
+    assert got[2] == [payloads[0], payloads[1], payloads[2]]
 
 
 def test_packed_shards_round_trip_and_refuse_other_bytes():
