@@ -34,6 +34,24 @@ def models(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def reference(models, tmp_path_factory):
+    """reference(family): a safetensors file of the state dict of the tiny model made
+    with seed 7, which the processes' senders hold and their receivers compare with."""
+    from safetensors.torch import save_file
+
+    root, made = tmp_path_factory.mktemp("wsync-reference"), {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            state = tiny.new_model(models[family][0], seed=7).state_dict()
+            made[family] = root / f"{family}.safetensors"
+            save_file({k: v.detach().clone().contiguous() for k, v in state.items()},
+                      str(made[family]))
+        return made[family]
+    return get
+
+
 def _covered(plan: planlib.Plan) -> dict[str, torch.Tensor]:
     """How many pieces cover each element of each tensor."""
     count = {name: torch.zeros(shape, dtype=torch.int8) for name, shape in plan.params}
@@ -119,9 +137,9 @@ def test_plan_round_trips_as_json_and_refuses_tampering(models):
 class Group:
     """A transfer generation of processes: senders (training ranks) then receivers."""
 
-    def __init__(self, tmp: Path, model_dir: Path, plan: planlib.Plan, *, receivers: int,
-                 timeout_s: float = 30.0, generation: int = 1):
-        self.tmp, self.model_dir, self.plan = tmp, model_dir, plan
+    def __init__(self, tmp: Path, model_dir: Path, weights: Path, plan: planlib.Plan, *,
+                 receivers: int, timeout_s: float = 30.0, generation: int = 1):
+        self.tmp, self.model_dir, self.weights, self.plan = tmp, model_dir, weights, plan
         self.store, port = host_store(HOST)
         announce_transfer_generation(self.store, generation)
         self.generation = generation
@@ -133,7 +151,8 @@ class Group:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, rank: int, role: str, **extra) -> subprocess.Popen:
-        args = {"role": role, "model_dir": str(self.model_dir), "seed": 7, "rank": rank,
+        args = {"role": role, "model_dir": str(self.model_dir),
+                "weights": str(self.weights), "rank": rank,
                 "plan": self.plan.to_json(), "transfer": self.transfer, **extra}
         path = self.tmp / f"args-{rank}.json"
         path.write_text(json.dumps(args))
@@ -177,7 +196,7 @@ class Group:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,world,tp,pp", [("megatron", 4, 2, 2), ("replicated", 2, 1, 1)])
 def test_buckets_cut_across_tp_and_pp_shards_and_every_tensor_arrives_exact(
-        models, tmp_path, kind, world, tp, pp):
+        models, reference, tmp_path, kind, world, tp, pp):
     model_dir, hf = models["qwen2"]
     layout = planlib.TrainerLayout(kind, world, tp=tp, pp=pp)
     # a few tensors per bucket: buckets end mid-layer, and one holds the end of stage 0
@@ -189,7 +208,7 @@ def test_buckets_cut_across_tp_and_pp_shards_and_every_tensor_arrives_exact(
         assert mixed, "no bucket holds pieces of both TP ranks of both stages"
     else:  # the replicas take turns
         assert set(plan.senders()) == {0, 1}
-    group = Group(tmp_path, model_dir, plan, receivers=2).run(rounds=2)
+    group = Group(tmp_path, model_dir, reference("qwen2"), plan, receivers=2).run(rounds=2)
     try:
         res = group.results()
     finally:
@@ -205,11 +224,11 @@ def test_buckets_cut_across_tp_and_pp_shards_and_every_tensor_arrives_exact(
 
 
 @pytest.mark.slow
-def test_a_receiver_lost_mid_round_does_not_stop_the_others(models, tmp_path):
+def test_a_receiver_lost_mid_round_does_not_stop_the_others(models, reference, tmp_path):
     model_dir, hf = models["llama"]
     plan = planlib.build_plan(model_dir, planlib.TrainerLayout("replicated", 1),
                               bucket_bytes=150_000, hf=hf)
-    group = Group(tmp_path, model_dir, plan, receivers=2)
+    group = Group(tmp_path, model_dir, reference("llama"), plan, receivers=2)
     group.run(faults={2: {"at_bucket": 2, "how": "die"}})
     try:
         res = group.results()
@@ -222,11 +241,11 @@ def test_a_receiver_lost_mid_round_does_not_stop_the_others(models, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_receiver_that_hangs_fails_the_round_loudly(models, tmp_path):
+def test_a_receiver_that_hangs_fails_the_round_loudly(models, reference, tmp_path):
     model_dir, hf = models["llama"]
     plan = planlib.build_plan(model_dir, planlib.TrainerLayout("replicated", 1),
                               bucket_bytes=150_000, hf=hf)
-    group = Group(tmp_path, model_dir, plan, receivers=2, timeout_s=3.0)
+    group = Group(tmp_path, model_dir, reference("llama"), plan, receivers=2, timeout_s=3.0)
     group.run(faults={2: {"at_bucket": 1, "how": "stop"}})
     try:
         sender = group.procs[-1]
@@ -252,7 +271,7 @@ def test_a_stale_transfer_generation_is_refused(models, tmp_path):
     with pytest.raises(StaleGeneration, match="generation 1 refused: the current one is 2"):
         join_transfer_group(TransferSpec(1, 2, HOST, port, timeout_s=5), 0, host=HOST)
     args = tmp_path / "hold.json"
-    args.write_text(json.dumps({"role": "hold", "model_dir": str(model_dir), "seed": 0,
+    args.write_text(json.dumps({"role": "hold", "model_dir": str(model_dir),
                                 "rank": 1, "plan": info.pop("plan"),
                                 "transfer": {**info, "generation": 2}}))
     other = subprocess.Popen([sys.executable, str(HERE / "wsync_procs.py"), str(args)],

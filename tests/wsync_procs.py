@@ -2,14 +2,17 @@
 
     python tests/wsync_procs.py ARGS.json
 
-ARGS: {"role": "send" | "recv" | "hold", "model_dir", "seed", "plan" (Plan.to_json()), "transfer"
-(the init_info without rank), "rank", "rounds": [{"generation", "targets"}] (send) or
-a number of rounds (recv), "fault": null | {"at_bucket": k, "how": "die" | "stop"}}.
+ARGS: {"role": "send" | "recv" | "hold", "model_dir", "weights" (send, recv), "plan"
+(Plan.to_json()), "transfer" (the init_info without rank), "rank", "rounds":
+[{"generation", "targets"}] (send) or a number of rounds (recv), "fault": null |
+{"at_bucket": k, "how": "die" | "stop"}}.
 
-A sender holds the shard of its (tp, pp) coordinate of the tiny model made with `seed`,
-cut by gyre_slurm.train.megatron.convert as a Megatron rank holds it (or the whole model
-for a replicated layout). A receiver compares every received tensor with the model made
-with the same seed. One JSON line of results goes to stdout.
+`weights`: a safetensors file of a tiny model's state dict, which the test writes once
+(so that no member imports transformers and builds the model: seconds of CPU each). A
+sender holds the shard of its (tp, pp) coordinate of that model, cut by
+gyre_slurm.train.megatron.convert as a Megatron rank holds it (or the whole model for a
+replicated layout). A receiver compares every received tensor with the same state. One
+JSON line of results goes to stdout.
 """
 
 import json
@@ -22,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from gyre_slurm.models import tiny  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
 from gyre_slurm.train.megatron import convert  # noqa: E402
 from gyre_slurm.train.wsync import plan as planlib  # noqa: E402
 from gyre_slurm.train.wsync import stream  # noqa: E402
@@ -48,8 +52,7 @@ def held_pieces(model_dir, hf, layout, rank):
 
 def main() -> None:
     args = json.loads(Path(sys.argv[1]).read_text())
-    hf = {k: v.detach() for k, v in tiny.new_model(args["model_dir"], seed=args["seed"])
-          .state_dict().items()}
+    hf = load_file(args["weights"]) if args["role"] != "hold" else {}
     ep = Endpoint()
     ep.join({**args["transfer"], "plan": args["plan"]}, rank=args["rank"], host="127.0.0.1")
     out = {"rank": args["rank"]}
