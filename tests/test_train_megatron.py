@@ -166,9 +166,24 @@ def test_convert_refuses_layouts_that_do_not_divide(models):
 
 # ---- 2. parity with Hugging Face --------------------------------------------------------
 
+# The tests that drive processes run in an order that starts each family's processes
+# once (the pool keeps one family alive at a time; a start of 4 Megatron processes is
+# seconds of CPU each): llama, qwen3, then every qwen2 test, then every qwen3_moe test
+# (its parity test comes after the export test's qwen2 case).
+DENSE = ("llama", "qwen3", "qwen2")
+assert sorted(DENSE + ("qwen3_moe",)) == sorted(FAMILIES)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", DENSE)
 def test_logprobs_match_transformers(clusters, models, family):
+    check_parity(clusters, models, family)
+
+
+def check_parity(clusters, models, family):
+    """Megatron's log-probabilities, loss and training signals equal transformers' at
+    each of the family's layouts (LAYOUTS); a world whose size is not a multiple of
+    TP x PP is refused."""
     c = clusters(family)
     model = models[family][2]
     assert ModelShape.from_model_dir(c.model_dir).padded_vocab_size > model.config.vocab_size
@@ -305,46 +320,7 @@ def test_handoff_cycle_reshards_state(clusters, tmp_path):
                                      for k, v in c.timings.items()})
 
 
-# ---- 4. export to Hugging Face ----------------------------------------------------------
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family,layout", [("qwen2", (2, 2, 1)), ("qwen3_moe", (2, 1, 2))])
-def test_published_weights_load_into_transformers(clusters, models, tmp_path, family, layout):
-    """One step (qwen2 at TP2/PP2; qwen3_moe at TP2/EP2/DP2 with sequence parallelism),
-    published in Hugging Face names: transformers loads it (strict) and agrees with
-    Megatron; the step equals the same step taken on the transformers model (global
-    grad norm, clipping, AdamW)."""
-    c = clusters(family)
-    tp, pp, ep = layout
-    c.world([0, 1, 2, 3], tp, pp, expert_parallel=ep, init_weights=str(c.weights))
-    mb = micro_batch(11)
-    c.on(range(4), "train_microbatch", mb=mb, num_step_tokens=n_tokens(mb))
-    out = tmp_path / "v000001"
-    steps = c.on(range(4), "optimizer_step", publish_dir=str(out))
-    assert {s["version"] for s in steps.values()} == {1}
-    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "model.safetensors"]
-    got = np.array(c.one(range(4), "token_logprobs", token_ids=IDS))
-    model = load_hf(c.model_dir, out)
-    diff = float(np.abs(hf_logprobs(model, IDS) - got).max())
-    print(f"published v1: max |transformers - megatron| = {diff:.2e}")
-    assert diff < 1e-4
-    before = hf_logprobs(load_hf(c.model_dir, c.weights), IDS)
-    assert float(np.abs(before - got).max()) > 1e-4  # the step did change the model
-
-    ref = load_hf(c.model_dir, c.weights).train()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    hf_loss(ref, mb, n_tokens(mb)).backward()
-    norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
-    opt.step()
-    param_diff = max(float((p - model.state_dict()[k]).abs().max())
-                     for k, p in ref.state_dict().items())
-    print(f"step vs transformers: grad norm {steps[0]['grad_norm']:.6f} vs {norm:.6f}, "
-          f"max param diff {param_diff:.2e}")
-    assert _close(steps[0]["grad_norm"], norm)
-    assert param_diff < 1e-4
-
-
-# ---- 5. tree packing ---------------------------------------------------------------------
+# ---- 4. tree packing ---------------------------------------------------------------------
 
 @pytest.mark.slow
 def test_tree_packed_step_matches_the_torch_trainer(clusters, models, store, tmp_path):
@@ -397,6 +373,50 @@ def test_tree_packed_step_matches_the_torch_trainer(clusters, models, store, tmp
     # Adam's first step is about lr x sign(gradient): float noise in near-zero gradients
     # moves those elements by up to ~lr, without changing the function (logprobs above)
     assert params < 1e-3
+
+
+# ---- 5. export to Hugging Face; Qwen3-MoE's parity and tree packing ---------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,layout", [("qwen2", (2, 2, 1)), ("qwen3_moe", (2, 1, 2))])
+def test_published_weights_load_into_transformers(clusters, models, tmp_path, family, layout):
+    """One step (qwen2 at TP2/PP2; qwen3_moe at TP2/EP2/DP2 with sequence parallelism),
+    published in Hugging Face names: transformers loads it (strict) and agrees with
+    Megatron; the step equals the same step taken on the transformers model (global
+    grad norm, clipping, AdamW)."""
+    c = clusters(family)
+    tp, pp, ep = layout
+    c.world([0, 1, 2, 3], tp, pp, expert_parallel=ep, init_weights=str(c.weights))
+    mb = micro_batch(11)
+    c.on(range(4), "train_microbatch", mb=mb, num_step_tokens=n_tokens(mb))
+    out = tmp_path / "v000001"
+    steps = c.on(range(4), "optimizer_step", publish_dir=str(out))
+    assert {s["version"] for s in steps.values()} == {1}
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "model.safetensors"]
+    got = np.array(c.one(range(4), "token_logprobs", token_ids=IDS))
+    model = load_hf(c.model_dir, out)
+    diff = float(np.abs(hf_logprobs(model, IDS) - got).max())
+    print(f"published v1: max |transformers - megatron| = {diff:.2e}")
+    assert diff < 1e-4
+    before = hf_logprobs(load_hf(c.model_dir, c.weights), IDS)
+    assert float(np.abs(before - got).max()) > 1e-4  # the step did change the model
+
+    ref = load_hf(c.model_dir, c.weights).train()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    hf_loss(ref, mb, n_tokens(mb)).backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+    opt.step()
+    param_diff = max(float((p - model.state_dict()[k]).abs().max())
+                     for k, p in ref.state_dict().items())
+    print(f"step vs transformers: grad norm {steps[0]['grad_norm']:.6f} vs {norm:.6f}, "
+          f"max param diff {param_diff:.2e}")
+    assert _close(steps[0]["grad_norm"], norm)
+    assert param_diff < 1e-4
+
+
+@pytest.mark.slow
+def test_moe_logprobs_match_transformers(clusters, models):
+    check_parity(clusters, models, "qwen3_moe")
 
 
 @pytest.mark.slow
