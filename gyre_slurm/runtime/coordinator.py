@@ -284,16 +284,19 @@ class Coordinator:
         self.gateway_url = f"http://{self.addr0}:{gw_port}"
 
     async def lay_out(self) -> None:
-        """Bring up the rollout cells' engines and the first training world (streamed
-        weight sync: the world first, the servers get the policy from it)."""
+        """Bring up the rollout cells' engines and the first training world. The servers
+        start (on the weights they can load: the policy's file, or streamed, the initial
+        one) while the world is built, on other cells: neither waits for the other's
+        process start-ups. Then they get the current policy (streamed: from the world)."""
         rollout = self.table.ids(Role.ROLLOUT)
-        if self.wsync is None:
-            await self.handoffs.bring_up_engines(rollout)
         train_nodes = [n for c in self.table.ids(Role.TRAIN) for n in self.job.nodes_of(c)]
-        async with self.world.lock:
-            timings = await self.world.rebuild(train_nodes)
-        if self.wsync is not None:
-            await self.handoffs.bring_up_engines(rollout)
+
+        async def build_world() -> dict:
+            async with self.world.lock:
+                return await self.world.rebuild(train_nodes)
+
+        started, timings = await both(self.handoffs.start_engines(rollout), build_world())
+        await self.handoffs.connect_engines(rollout, started)
         self.rd.event("layout", roles=[c.role.value for c in self.table.cells], **timings)
 
     # -- the policy loop -----------------------------------------------------------------
@@ -439,3 +442,20 @@ class Coordinator:
         for writer in (self.call_writer, self.metrics, self.external_writer):
             if writer is not None:
                 writer.close()
+
+
+async def both(first, second) -> tuple:
+    """Await two coroutines at once; when one fails, the other is cancelled (and awaited)
+    and the first failure raised as it is (asyncio.gather would leave the other running;
+    a TaskGroup would wrap the error in an ExceptionGroup, which `explain` does not read)."""
+    tasks = [asyncio.ensure_future(first), asyncio.ensure_future(second)]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task in done and task.exception() is not None:
+                raise task.exception()
+        return tasks[0].result(), tasks[1].result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

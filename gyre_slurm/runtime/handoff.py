@@ -158,10 +158,19 @@ class Handoffs:
 
     async def bring_up_engines(self, cells: list[int]) -> float:
         """`bring_up_engine` for several cells at once (streamed: one round for all)."""
+        return await self.connect_engines(cells, await self.start_engines(cells))
+
+    async def start_engines(self, cells: list[int]) -> list:
+        """The first half of `bring_up_engines`: the cells' servers start (or resume) on
+        what they hold, which needs no training world; `connect_engines` then brings them
+        to the current policy and to the gateway."""
+        return list(await asyncio.gather(*(self._start_engines(c) for c in cells)))
+
+    async def connect_engines(self, cells: list[int], started: list) -> float:
+        """The second half of `bring_up_engines` (`started`: what `start_engines` gave)."""
         if not cells:
             return 0.0
         job = self.job
-        started = await asyncio.gather(*(self._start_engines(c) for c in cells))
         clients = {sid: c for got, _ in started for sid, (c, _) in got.items()}
         if self.wsync is not None:
             held = {sid: v for got, _ in started for sid, (_, v) in got.items()}
