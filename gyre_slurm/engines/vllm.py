@@ -320,6 +320,13 @@ def vllm_env(*, secret: str, device: str, kv_cache_gb: float, num_threads: int
         p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p)
     if device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gb:g}"
+        # vLLM's CPU platform turns the one-worker "uni" executor into "mp" unless this
+        # is 0: one more spawned process that imports vLLM and torch again (20-25 s of a
+        # 70 s start on this loaded 2-core machine), whose auto OpenMP binding then pins
+        # every server's compute thread to the same core (core 0 here). The API server
+        # still runs its engine core in a process of its own (AsyncLLM ignores this
+        # variable); with tensor parallelism the executor is "mp" whatever it says.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
 
 
