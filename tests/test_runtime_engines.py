@@ -141,9 +141,11 @@ def test_two_node_cells_serve_from_every_node_and_train_together(tmp_path):
     server on each of its nodes, the gateway spreads runs over them, and training worlds
     hold every node of the training cells."""
     run_dir = tmp_path / "cells2"
-    proc = gyre_run(run_dir, *FAST, "cluster.cell_nodes=2", "scheduler.policy=colocate")
+    # two steps: colocate moves both cells to training, back to rollout, and to training
+    proc = gyre_run(run_dir, *FAST, "workload.num_steps=2", "cluster.cell_nodes=2",
+                    "scheduler.policy=colocate")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    events = check_run_dir(run_dir, num_steps=3)
+    events = check_run_dir(run_dir, num_steps=2)
     servers = {p.name for p in (run_dir / "logs").glob("engine-node*-s0.log")}
     assert servers == {f"engine-node{n}-s0.log" for n in range(4)}, servers
     worlds = [e["members"] for e in events if e["kind"] == "microbatch"]
@@ -156,9 +158,12 @@ def test_release_stop_stops_servers_and_starts_them_again(tmp_path):
     """rollout.release: stop: a cell handed to training stops its server process; when
     it comes back to rollout a new one starts on the current policy."""
     run_dir = tmp_path / "stop"
-    proc = gyre_run(run_dir, *FAST, "rollout.release=stop", "scheduler.policy=colocate")
+    # two steps: colocate hands every cell to training, back to rollout (the restarts
+    # checked here), and to training again
+    proc = gyre_run(run_dir, *FAST, "workload.num_steps=2", "rollout.release=stop",
+                    "scheduler.policy=colocate")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    check_run_dir(run_dir, num_steps=3)
+    check_run_dir(run_dir, num_steps=2)
     starts = [line for p in (run_dir / "logs").glob("engine-node*-s0.log")
               for line in p.read_text().splitlines() if "serving" in line.lower()]
     assert len(starts) > 4, starts  # 4 first starts, then restarts after each phase
