@@ -38,7 +38,9 @@ from gyre_slurm.common.fsio import (
 from gyre_slurm.traj.store import CallStoreReader, CallStoreWriter, RunBuffer, load_store
 
 ROOT = Path(__file__).resolve().parent.parent
-TWO_STEPS = [*FAST, "workload.num_steps=2"]
+# Two nodes (one rollout cell, one training cell): the faults here are in the run dir's
+# files, not in the layout, and each run starts half the processes of four nodes.
+TWO_STEPS = [*FAST, "workload.num_steps=2", "cluster.num_nodes=2"]
 
 
 # -- helpers ---------------------------------------------------------------------------
