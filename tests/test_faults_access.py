@@ -285,8 +285,10 @@ def test_attacks_on_a_live_run_get_4xx_and_lose_nothing(tmp_path):
     args = [sys.executable, "-m", "gyre_slurm", "run", str(ROOT / "configs" / "tiny.yaml"),
             "--run-dir", str(run_dir)]
     # colocate with the `wait` drain: an external run that stays registered must not
-    # hold the drain (every cell would wait for it forever)
-    for item in FAST + ["workload.num_steps=5", "gateway.external.enabled=true",
+    # hold the drain (every cell would wait for it forever). Two nodes: the attacks need
+    # one node agent, and the run starts half the processes of four
+    for item in FAST + ["workload.num_steps=5", "cluster.num_nodes=2",
+                        "gateway.external.enabled=true",
                         "scheduler.policy=colocate", "scheduler.drain=wait"]:
         args += ["--set", item]
     with open(err, "w") as err_file:  # umask 0: the model's state must stay owner-only
