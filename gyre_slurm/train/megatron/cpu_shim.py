@@ -28,7 +28,9 @@ DDP, distributed optimizer, sequence parallelism and expert all-to-all call
 `all_to_all_single`, `ReduceOp.AVG`, coalesced calls).
 
 `activate()` does nothing when `torch.cuda.is_available()`: the shim is never used on a
-GPU, where Megatron runs as shipped. It is idempotent.
+GPU, where Megatron runs as shipped. It is idempotent. `import_megatron()` (called by
+`train.megatron.tree` before its import of Megatron) turns Megatron's JIT fuser off on
+CPU: its fusable functions run as plain PyTorch, with nothing compiled.
 """
 
 from __future__ import annotations
@@ -131,6 +133,36 @@ def _move_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
         tensor = tensor.cpu()
         return tensor.numpy() if as_numpy else tensor
     return tensor
+
+
+def _no_compile(model=None, **kwargs):
+    return model if model is not None else (lambda fn: fn)
+
+
+def import_megatron() -> bool:
+    """Import megatron.core with Megatron's JIT fuser off, when no GPU is available
+    (call it before anything imports Megatron). Returns whether it did.
+
+    Megatron decorates its fusable functions with `megatron.core.jit.jit_fuser`, which is
+    `torch.compile` as Megatron is imported: decorating imports TorchDynamo and Inductor
+    (~2 s of CPU, 40% of a rank process's start-up), and a call compiles the function
+    for the CPU. Megatron's own switch, `megatron.core.jit.disable_jit_fuser()` (its
+    no-op decorator), only reaches modules imported after it, and `megatron.core.jit`
+    cannot be imported before the rest (its package imports all of megatron.core): so
+    `torch.compile` is that no-op decorator while megatron.core is imported, and is
+    restored after. On a GPU, Megatron is imported as shipped."""
+    import sys
+
+    if torch.cuda.is_available() or "megatron.core" in sys.modules:
+        return False
+    real = torch.compile
+    torch.compile = _no_compile
+    try:
+        from megatron.core import jit
+    finally:
+        torch.compile = real
+    jit.disable_jit_fuser()
+    return True
 
 
 def activate() -> bool:

@@ -23,11 +23,15 @@ import dataclasses
 from contextlib import contextmanager
 
 import torch
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from gyre_slurm.train.loss import rows_from_trajectories
-from gyre_slurm.train.tree import TreeInputs, to_inputs, tree_attention
-from gyre_slurm.traj import treepack
+from gyre_slurm.train.megatron import cpu_shim
+
+cpu_shim.import_megatron()  # on CPU: before anything imports Megatron (see there)
+from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
+
+from gyre_slurm.train.loss import rows_from_trajectories  # noqa: E402
+from gyre_slurm.train.tree import TreeInputs, to_inputs, tree_attention  # noqa: E402
+from gyre_slurm.traj import treepack  # noqa: E402
 
 
 class TreeDotProductAttention(DotProductAttention):
