@@ -67,6 +67,7 @@ class CellTable:
 
     def __init__(self, cells: Iterable[Cell]):
         self._cells = {c.cell_id: c for c in cells}
+        self._ordered: list[Cell] | None = None  # by cell id; None: to sort again
         self.check_invariants()
 
     @classmethod
@@ -100,14 +101,20 @@ class CellTable:
 
     @property
     def cells(self) -> list[Cell]:
-        return [self._cells[i] for i in sorted(self._cells)]
+        return list(self._by_id())
+
+    def _by_id(self) -> list[Cell]:
+        """The cells by id, sorted once per change (the simulator asks at every event)."""
+        if self._ordered is None:
+            self._ordered = [self._cells[i] for i in sorted(self._cells)]
+        return self._ordered
 
     def ids(self, role: Role, *, target: Role | None = None) -> list[int]:
-        return [c.cell_id for c in self.cells
+        return [c.cell_id for c in self._by_id()
                 if c.role is role and (target is None or c.target is target)]
 
     def heading_to(self, role: Role) -> list[int]:
-        return [c.cell_id for c in self.cells if c.heading is role]
+        return [c.cell_id for c in self._by_id() if c.heading is role]
 
     # -- transitions -----------------------------------------------------------------
     def begin_handoff(self, cell_id: int, to_role: Role, *, now_s: float) -> Cell:
@@ -155,6 +162,7 @@ class CellTable:
 
     def _set(self, cell: Cell) -> Cell:
         self._cells[cell.cell_id] = cell
+        self._ordered = None
         self.check_invariants()
         return cell
 

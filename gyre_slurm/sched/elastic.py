@@ -208,10 +208,7 @@ class ElasticPolicy:
                 obs.runs_queued > 0, obs.train_ready_tokens > 0)
 
     def speed(self, load: float) -> float:
-        rates = self.prior.rate_by_load
-        if len(rates) < 2:
-            return 1.0
-        return float(np.interp(load, np.arange(len(rates)), rates))
+        return self.prior.speed(load)
 
     # -- plans -------------------------------------------------------------------------
     def candidates(self, obs: Observation, outlook: Outlook) -> list[list[Plan]]:

@@ -143,23 +143,30 @@ class Outlook:
         parts = max(1, int(math.ceil(s.new_runs / part - 1e-9)))
         part = s.new_runs / parts
         span = (1.0 + s.new_runs / least) * s.mean_s + s.longest_s
-        ts = allowed + np.linspace(0.0, span, 64)
+        ts = allowed + linspace(0.0, span, 64)
         slots = rollout.counts_at(ts) * self.cap
         longest = longest_of(s.model, max(1, int(round(part))))
         end, start = allowed, allowed
         occ = occupancy(self, ts)
+        fits = min(part, max(slots.max(), 1.0) - 0.5)  # room a cohort needs
+        after = ts >= start
+        added = None  # (start, speed, its runs in flight on ts): cohorts often start together
         for _ in range(parts):
-            room = slots - occ
-            hit = np.flatnonzero((room >= min(part, max(slots.max(), 1.0) - 0.5)) & (ts >= start))
-            if hit.size:
-                start = float(ts[hit[0]])
+            room = (slots - occ >= fits) & after
+            hit = room.argmax()  # the first point with room (0 if none)
+            if room[hit]:
+                start = float(ts[hit])
             else:  # not within the span: the fluid of run slots
                 start = rollout.solve(ts[-1], part * s.mean_s)
             if math.isinf(start):
                 return math.inf
             speed = self._speed(window, rollout.count_at(start))
             self.cohorts.append((s.step, start, part, s.model, speed))
-            occ = occ + np.where(ts >= start, part * s.model.sf(np.maximum(ts - start, 0.0) * speed), 0.0)
+            if added is None or added[0] != start or added[1] != speed:
+                after = ts >= start
+                added = (start, speed, np.where(
+                    after, part * s.model.sf(np.maximum(ts - start, 0.0) * speed), 0.0))
+            occ = occ + added[2]
             end = max(end, start + longest / speed)
         return end
 
@@ -205,7 +212,7 @@ def _streamed_end(outlook: "Outlook", s: StepOutlook, train: Capacity, prev_te: 
     t = train.solve(max(prev_te, now), s.tokens)
     if todo <= 0 or not now < end < math.inf:
         return max(t, train.solve(max(prev_te, end), min(s.group_tokens, s.tokens)))
-    ts = np.linspace(now, end, 24)
+    ts = linspace(now, end, 24)
     arrived = np.zeros_like(ts)
     if s.inflight:
         arrived += (s.inflight - occupancy(outlook, ts, step=s.step, new=False)) * s.run_tokens
@@ -213,15 +220,19 @@ def _streamed_end(outlook: "Outlook", s: StepOutlook, train: Capacity, prev_te: 
     if cohorts and s.model is not None:
         # A cohort's runs start together: a group of g of them has ended with prob F^g.
         g = max(1.0, min(s.group_tokens / max(s.run_tokens, 1e-9), s.new_runs))
-        for _, start, count, model, speed in cohorts:
-            age = np.maximum(ts - start, 0.0) * speed
-            ended = np.where(ts > start, 1.0 - model.sf(age), 0.0) ** g
-            arrived += count * ended * s.run_tokens
+        last, term = None, None  # cohorts often start together: the same term again
+        for cohort in cohorts:
+            if not _same_cohort(cohort, last):
+                _, start, count, model, speed = last = cohort
+                age = np.maximum(ts - start, 0.0) * speed
+                ended = np.where(ts > start, 1.0 - model.sf(age), 0.0) ** g
+                term = count * ended * s.run_tokens
+            arrived += term
     arrived = np.maximum.accumulate(arrived)
     first = min(todo, s.group_tokens if cohorts else s.run_tokens)
     levels = np.concatenate(([first / todo], LEVELS))
     at = np.interp(levels * arrived[-1], arrived, ts)
-    for i, (level, when) in enumerate(zip(levels, at)):
+    for i, (level, when) in enumerate(zip(levels.tolist(), at.tolist())):  # as floats
         left = todo if i == 0 else (1.0 - level) * todo
         t = max(t, train.solve(max(prev_te, float(when)), left))
     return max(t, train.solve(max(prev_te, end), min(s.group_tokens, s.tokens)))
@@ -237,11 +248,38 @@ def occupancy(outlook: "Outlook", times: np.ndarray, *, step: int | None = None,
         if s.inflight and s.alive is not None and step in (None, s.step):
             occ += np.interp((times - outlook.now_s) * speed_now, s.alive_xs, s.alive,
                              right=0.0)
-    for k, start, count, model, speed in getattr(outlook, "cohorts", ()) if new else ():
-        if step in (None, k):
-            age = np.maximum(times - start, 0.0) * speed
-            occ += np.where(times >= start, count * model.sf(age), 0.0)
+    last, term = None, None  # cohorts often start together: the same term again
+    for cohort in getattr(outlook, "cohorts", ()) if new else ():
+        if step in (None, cohort[0]):
+            if not _same_cohort(cohort, last):
+                _, start, count, model, speed = last = cohort
+                age = np.maximum(times - start, 0.0) * speed
+                term = np.where(times >= start, count * model.sf(age), 0.0)
+            occ += term
     return occ
+
+
+def _same_cohort(a: tuple, b: tuple | None) -> bool:
+    """Cohorts (step, start, runs, model, speed) whose runs in flight are the same curve."""
+    return b is not None and a[1] == b[1] and a[2] == b[2] and a[3] is b[3] and a[4] == b[4]
+
+
+def linspace(start: float, stop: float, num: int) -> np.ndarray:
+    """`np.linspace(start, stop, num)`, the same floats (its arithmetic, step by step),
+    without its generality's overhead: the outlook makes tens of thousands of grids."""
+    step = (stop - start) / (num - 1) if num > 1 else 0.0
+    if step == 0 or not math.isfinite(step):  # numpy's special cases
+        return np.linspace(start, stop, num)
+    y = _ARANGE.get(num)
+    if y is None:
+        y = _ARANGE[num] = np.arange(num, dtype=float)
+    y = y * step
+    y += start
+    y[-1] = stop
+    return y
+
+
+_ARANGE: dict[int, np.ndarray] = {}
 
 
 def alive_curve(model: DurationModel, elapsed_s: np.ndarray, *, points: int = 32,
@@ -342,11 +380,18 @@ class WorkloadPrior:
     reprefill_s: float = 0.0  # a migrated run's extra time
     microbatch_tokens: float = 0.0  # a cell joins the training world between micro-batches
 
+    _speeds: dict[float, float] = field(default_factory=dict, init=False, repr=False,
+                                        compare=False)  # speed by load, as asked
+
     def speed(self, load: float) -> float:
         """A run's speed on a cell of this load, relative to a full cell."""
         if len(self.rate_by_load) < 2:
             return 1.0
-        return float(np.interp(load, np.arange(len(self.rate_by_load)), self.rate_by_load))
+        out = self._speeds.get(load)
+        if out is None:  # the outlook asks for the same few loads again and again
+            out = self._speeds[load] = float(
+                np.interp(load, np.arange(len(self.rate_by_load)), self.rate_by_load))
+        return out
 
     def shifts(self, ref: int, step: int, *, factor: float = 1.25) -> bool:
         """The balance of the work changes between steps `ref` and `step`: a run's duration

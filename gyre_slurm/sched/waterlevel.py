@@ -72,10 +72,15 @@ class DurationModel:
         return float(ratio.sum())
 
     def mean_s(self) -> float:
-        """The mean duration: the integral of the survival function."""
-        grid = np.concatenate(([0.0], self.grid_s))
-        surv = np.concatenate(([1.0], self.survival))
-        return float(np.sum((surv[1:] + surv[:-1]) * np.diff(grid)) / 2)
+        """The mean duration: the integral of the survival function (kept: the outlook
+        asks for it at every decision)."""
+        mean = self.__dict__.get("_mean_s")
+        if mean is None:
+            grid = np.concatenate(([0.0], self.grid_s))
+            surv = np.concatenate(([1.0], self.survival))
+            mean = float(np.sum((surv[1:] + surv[:-1]) * np.diff(grid)) / 2)
+            object.__setattr__(self, "_mean_s", mean)  # not a field: frozen, as before
+        return mean
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,12 @@ class Simulator:
         self.idle_ticks = 0
         self.kick_pending = False
         self.admit_pending = False
+        # What observations say of the config, computed once: a cell's training rate in
+        # a smallest world, and a run's trained tokens per step.
+        min_cells = min_train_cells(cfg)
+        self.cell_tps = train_throughput(
+            cfg.training, min_cells * cfg.cluster.cell_nodes) / min_cells
+        self.run_tokens: dict[int, float] = {}
 
     # -- event plumbing --------------------------------------------------------------
     def push(self, t: float, kind: int, a: int = 0, b: int = 0) -> None:
@@ -382,23 +388,28 @@ class Simulator:
                 f"{obs.train_ready_tokens} tokens ready, cells {roles})")
 
     def observe(self) -> Observation:
-        running = np.flatnonzero(self.status == RUNNING)
-        train, step = self.cfg.training, self.version
-        min_cells = min_train_cells(self.cfg)
-        cell_tps = train_throughput(train, min_cells * self.cfg.cluster.cell_nodes) / min_cells
-        shape = step_shape(self.cfg, min(step, self.w.num_steps - 1))
+        running = (self.status == RUNNING).nonzero()[0]
+        step = self.version
         runs = RunsNow(in_flight=int(running.size), queued=len(self.queue),
                        future=self.w.num_runs - self.num_allowed,
                        elapsed_s=self.now - self.start_s[running],
                        steps=self.w.batch[running])
         return build_observation(
             cfg=self.cfg, now_s=self.now, table=self.table,
-            cell_runs={c: int(n) for c, n in enumerate(self.rollout.load)}, runs=runs,
+            cell_runs=dict(enumerate(self.rollout.load.tolist())), runs=runs,
             ledger=self.ledger, version=step, streaming=self.policy.streaming,
-            train_tokens_per_cell_s=cell_tps,
-            tokens_per_run=float(self.cfg.workload.tokens_mean
-                                 * computed_per_tree_token(self.cfg) * shape.tokens_scale),
+            train_tokens_per_cell_s=self.cell_tps, tokens_per_run=self.tokens_per_run(step),
             handoff=self.policy_handoff)
+
+    def tokens_per_run(self, step: int) -> float:
+        """A run's trained tokens at this step (its phase), computed once per step."""
+        out = self.run_tokens.get(step)
+        if out is None:
+            shape = step_shape(self.cfg, min(step, self.w.num_steps - 1))
+            out = self.run_tokens[step] = float(
+                self.cfg.workload.tokens_mean * computed_per_tree_token(self.cfg)
+                * shape.tokens_scale)
+        return out
 
     # -- results ---------------------------------------------------------------------
     def result(self) -> SimResult:
