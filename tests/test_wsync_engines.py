@@ -11,8 +11,10 @@ generation is refused by both engines; a released vLLM server woken for a round 
 the new policy."""
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import itertools
+import threading
 
 import numpy as np
 import pytest
@@ -172,9 +174,16 @@ def test_vllm_synced_by_streaming_gives_the_trainers_logprobs(run, tmp_path, fam
     store, port = host_store(HOST)
     driver = Driver(model_dir, store, port)
     gens = itertools.count(1)
-    proc = start_vllm(python=vllm_python, model_dir=model_dir,
-                      weights_dir=tiny.weights_dir(run_dir, 0), version=0, host=HOST,
-                      secret_file=run_dir / "secret", log_path=run_dir / "vllm.log")
+    # vLLM starts (tens of seconds, mostly one process) while the Megatron processes
+    # start, join and train: the server is first needed for the streamed round
+    cancel = threading.Event()
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    starting = pool.submit(start_vllm, python=vllm_python, model_dir=model_dir,
+                           weights_dir=tiny.weights_dir(run_dir, 0), version=0, host=HOST,
+                           secret_file=run_dir / "secret", log_path=run_dir / "vllm.log",
+                           cancel=cancel)
+    pool.shutdown(wait=False)  # its one thread ends with the start
+    proc = None
     got: dict[str, tuple] = {}
 
     def served(coro_fn):
@@ -205,6 +214,7 @@ def test_vllm_synced_by_streaming_gives_the_trainers_logprobs(run, tmp_path, fam
                                      "init_weights": str(tiny.weights_dir(run_dir, 0))})
                         for r in (0, 1)})
             want = megatron_step = train(procs, (0, 1), 1)
+            proc = starting.result()
             tp2 = planlib.TrainerLayout("megatron", 2, tp=2)
 
             async def tp2_round(client):
@@ -268,7 +278,11 @@ def test_vllm_synced_by_streaming_gives_the_trainers_logprobs(run, tmp_path, fam
         got["torch"] = (torch_step, served_torch)
         got["torch, exported file"] = (torch_step, filed_torch)
     finally:
-        proc.stop(timeout_s=20)
+        cancel.set()  # a start still under way (the test failed before it): stopped
+        if proc is None and not starting.cancelled() and starting.exception() is None:
+            proc = starting.result()
+        if proc is not None:
+            proc.stop(timeout_s=20)
     for what, (want, have) in got.items():
         print(f"{family} {what}: max |trainer - vLLM| = {diff(want, have):.2e}")
         assert diff(want, have) < TOLERANCE, what
