@@ -151,3 +151,17 @@ def test_a_drain_is_expected_from_each_run_s_own_step():
                   steps=[3] * 4 + [4] * 12)
     tail = p.cell_tail_s(obs, 6)
     assert 40.0 < tail < 120.0, tail
+
+
+def test_the_speed_memo_answers_as_interp_and_stays_bounded():
+    """WorkloadPrior.speed remembers the loads it was asked (the outlook asks the same few
+    again and again) but loads are floats: a coordinator running for days must not keep
+    every one it saw."""
+    from gyre_slurm.sched import outlook
+
+    prior = WorkloadPrior(durations=StepDurations((MODEL,)), runs_per_step=16, group_size=4,
+                          rate_by_load=(1.6, 1.4, 1.2, 1.0))
+    rng = np.random.default_rng(0)
+    for load in rng.uniform(0.0, 3.0, outlook.SPEED_CACHE * 3):
+        assert prior.speed(load) == float(np.interp(load, np.arange(4), prior.rate_by_load))
+        assert len(prior._speeds) <= outlook.SPEED_CACHE

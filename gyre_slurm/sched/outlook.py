@@ -280,6 +280,7 @@ def linspace(start: float, stop: float, num: int) -> np.ndarray:
 
 
 _ARANGE: dict[int, np.ndarray] = {}
+SPEED_CACHE = 4096  # WorkloadPrior.speed's memo, entries at most
 
 
 def alive_curve(model: DurationModel, elapsed_s: np.ndarray, *, points: int = 32,
@@ -389,6 +390,8 @@ class WorkloadPrior:
             return 1.0
         out = self._speeds.get(load)
         if out is None:  # the outlook asks for the same few loads again and again
+            if len(self._speeds) >= SPEED_CACHE:  # loads are floats: a coordinator that
+                self._speeds.clear()  # runs for days must not keep every one it saw
             out = self._speeds[load] = float(
                 np.interp(load, np.arange(len(self.rate_by_load)), self.rate_by_load))
         return out
