@@ -46,25 +46,36 @@ def test_e():
 '''
 
 
-def test_units_are_long_files_split_by_shared_fixture_longest_first(tmp_path):
-    (tmp_path / "test_long.py").write_text(LONG)
-    (tmp_path / "test_short.py").write_text(SHORT)
-    durations = {"test_long.py::test_a": 100, "test_long.py::test_b": 30,
-                 "test_long.py::test_c": 100, "test_long.py::test_d": 40,
-                 "test_short.py::test_e": 1}
+def run_packed(tmp_path: Path, files: dict[str, str], durations: dict[str, float], *,
+               workers: int, heavy: int | None = None) -> tuple[str, list[list[str]]]:
+    """pytest on `workers` xdist workers with the packing plugin over `files` (name ->
+    source), `durations` recorded: its output and the lines the tests logged."""
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n")
     (tmp_path / "durations.json").write_text(json.dumps(durations))
     log = tmp_path / "log"
     env = dict(os.environ, PYTHONPATH=str(TESTS), LOG=str(log), GYRE_TEST_PACK="1",
                GYRE_TEST_DURATIONS=str(tmp_path / "durations.json"))
     env.pop("CI", None)
     env.pop("GYRE_TEST_HEAVY_WORKERS", None)
+    if heavy is not None:
+        env["GYRE_TEST_HEAVY_WORKERS"] = str(heavy)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "schedule", "-p", "no:cacheprovider",
-         f"--rootdir={tmp_path}", "-q", "-n", "2", "--dist", "loadfile",
-         "test_short.py", "test_long.py"],
+         f"--rootdir={tmp_path}", "-q", "-n", str(workers), "--dist", "loadfile", *files],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "5 passed" in proc.stdout, proc.stdout + proc.stderr
-    rows = [line.split() for line in log.read_text().splitlines()]
+    rows = [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+    return proc.stdout + proc.stderr, rows
+
+
+def test_units_are_long_files_split_by_shared_fixture_longest_first(tmp_path):
+    durations = {"test_long.py::test_a": 100, "test_long.py::test_b": 30,
+                 "test_long.py::test_c": 100, "test_long.py::test_d": 40,
+                 "test_short.py::test_e": 1}
+    out, rows = run_packed(tmp_path, {"test_short.py": SHORT, "test_long.py": LONG},
+                           durations, workers=2)
+    assert "5 passed" in out, out
     worker = {name: w for name, w, _ in rows}
     start = {name: float(t) for name, _, t in rows}
     # a and c share the module fixture: one unit, one worker, the fixture made once
@@ -108,24 +119,11 @@ def test_a_light_worker_runs_only_the_tests_not_marked_slow(tmp_path):
     third worker takes the others (a file's unmarked tests apart from its slow ones), and
     the run ends (the light worker stops once no light unit is left). The light worker runs
     niced, on the core the slow tests leave idle."""
-    (tmp_path / "test_mixed.py").write_text(MIXED)
-    (tmp_path / "test_unit.py").write_text(UNIT)
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n")
     durations = {"test_mixed.py::test_s1": 200, "test_mixed.py::test_s2": 100,
                  "test_mixed.py::test_l1": 1, "test_unit.py::test_u": 1}
-    (tmp_path / "durations.json").write_text(json.dumps(durations))
-    log = tmp_path / "log"
-    env = dict(os.environ, PYTHONPATH=str(TESTS), LOG=str(log), GYRE_TEST_PACK="1",
-               GYRE_TEST_HEAVY_WORKERS="2",
-               GYRE_TEST_DURATIONS=str(tmp_path / "durations.json"))
-    env.pop("CI", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "schedule", "-p", "no:cacheprovider",
-         f"--rootdir={tmp_path}", "-q", "-n", "3", "--dist", "loadfile",
-         "test_unit.py", "test_mixed.py"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "4 passed" in proc.stdout, proc.stdout + proc.stderr
-    rows = [line.split() for line in log.read_text().splitlines()]
+    out, rows = run_packed(tmp_path, {"test_unit.py": UNIT, "test_mixed.py": MIXED},
+                           durations, workers=3, heavy=2)
+    assert "4 passed" in out, out
     worker = {name: w for name, w, _ in rows}
     nice = {name: int(v) for name, _, v in rows if name == "unit::u"}
     assert nice["unit::u"] >= os.nice(0) + LIGHT_NICE or nice["unit::u"] == 19
