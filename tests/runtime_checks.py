@@ -48,14 +48,19 @@ def check_runs_trained_once(run_dir: Path) -> None:
     assert max(trained.values()) == 1
 
 
+LIFE_STARTS = ("resume", "start")  # events that carry the version a life starts from
+
+
 def check_steps_in_order(events: list[dict], *, num_steps: int) -> None:
-    """Each life of the job (its lives split at "resume" events) finished steps in order
-    from the version it resumed at, which is at most where the life before it got to (a
-    job killed after a step's event but before its checkpoint was durable redoes that
-    step), and the last life reached `num_steps`."""
+    """Each life of the job (its lives begin at "start" events, and a life that resumed
+    from a checkpoint at the "resume" event before that) finished steps in order from the
+    version it started at, which is at most where the life before it got to (a job
+    stopped after a step's event but before its checkpoint was durable redoes that step;
+    one stopped before its first checkpoint starts again at version 0, with no "resume"
+    event), and the last life reached `num_steps`."""
     next_step = 0
     for e in events:
-        if e["kind"] == "resume":
+        if e["kind"] in LIFE_STARTS:
             assert e["version"] <= next_step, (e, next_step)
             next_step = e["version"]
         elif e["kind"] == "step":
@@ -100,11 +105,12 @@ def check_metrics(run_dir: Path, events: list[dict], *, num_steps: int) -> None:
 
 
 def committed_microbatches(events: list[dict]) -> list[dict]:
-    """The micro-batch events of the steps each life committed: a resume from version V
-    drops the files of steps >= V (trained again), so their earlier events go too."""
+    """The micro-batch events of the steps each life committed: a life that starts at
+    version V (resumed, or started again from 0) drops the files of steps >= V (trained
+    again), so their earlier events go too."""
     out: list[dict] = []
     for e in events:
-        if e["kind"] == "resume":
+        if e["kind"] in LIFE_STARTS:
             out = [m for m in out if m["step"] < e["version"]]
         elif e["kind"] == "microbatch":
             out.append(e)
