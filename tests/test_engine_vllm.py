@@ -141,6 +141,12 @@ def test_load_weights_matches_transformers(server, run):
     assert g1["output_logprobs"] == pytest.approx(ref[len(PROMPT):], abs=1e-3)
 
 
+async def until(probe, pred, *, every_s=0.02):
+    """Probe until `pred` holds of the answer (call's timeout bounds the wait)."""
+    while not pred(await probe()):
+        await asyncio.sleep(every_s)
+
+
 def test_generation_in_flight_during_reload_keeps_its_version(server, run):
     long = 300
 
@@ -151,10 +157,13 @@ def test_generation_in_flight_during_reload_keeps_its_version(server, run):
         ref1 = await c.generate(PROMPT, max_tokens=long, temperature=0)
         await at_version(c, run, 0)
         in_flight = asyncio.create_task(c.generate(PROMPT, max_tokens=long, temperature=0))
-        await asyncio.sleep(0.2)
+        # the generation is in the server (its load counter) before the reload asks to pause
+        await until(lambda: c.health(), lambda h: (h["active"] or 0) >= 1 or in_flight.done())
         async with VllmClient(server.base_url, run["secret"]) as other:  # like the agent
             load = asyncio.create_task(at_version(other, run, 1))
-            await asyncio.sleep(0.05)
+            # and the next call goes once the pause is under way (or the reload is over):
+            # a fixed sleep raced the reload's first request on a busy machine
+            await until(lambda: c.health(), lambda h: h["status"] == "paused" or load.done())
             after = await c.generate(PROMPT, max_tokens=8, temperature=0)
             await load
         return ref0, ref1, await in_flight, after
