@@ -14,13 +14,15 @@ from schedule import LIGHT_NICE
 
 TESTS = Path(__file__).resolve().parent
 
-LONG = '''
+LOG = '''
 import os, time, pytest
 
-def log(name):
+def log(name, value=None):  # one line: name, worker, value (default: the time)
+    value = time.monotonic() if value is None else value
     with open(os.environ["LOG"], "a") as f:
-        f.write(f"{name} {os.environ['PYTEST_XDIST_WORKER']} {time.monotonic()}\\n")
-
+        f.write(f"{name} {os.environ['PYTEST_XDIST_WORKER']} {value}\\n")
+'''
+LONG = LOG + '''
 @pytest.fixture(scope="module")
 def engine():
     log("engine-made")
@@ -38,11 +40,9 @@ def test_c(engine):
 def test_d():
     log("long::d"); time.sleep(0.3)
 '''
-SHORT = '''
-import os, time
+SHORT = LOG + '''
 def test_e():
-    with open(os.environ["LOG"], "a") as f:
-        f.write(f"short::e {os.environ['PYTEST_XDIST_WORKER']} {time.monotonic()}\\n")
+    log("short::e")
 '''
 
 
@@ -88,13 +88,7 @@ def test_units_are_long_files_split_by_shared_fixture_longest_first(tmp_path):
     assert start["long::b"] > start["long::d"]
 
 
-MIXED = '''
-import os, time, pytest
-
-def log(name):
-    with open(os.environ["LOG"], "a") as f:
-        f.write(f"{name} {os.environ['PYTEST_XDIST_WORKER']} {time.monotonic()}\\n")
-
+MIXED = LOG + '''
 @pytest.mark.slow
 def test_s1():
     log("mixed::s1"); time.sleep(1.0)
@@ -106,11 +100,9 @@ def test_l1():
 def test_s2():
     log("mixed::s2"); time.sleep(1.0)
 '''
-UNIT = '''
-import os, time
+UNIT = LOG + '''
 def test_u():
-    with open(os.environ["LOG"], "a") as f:
-        f.write(f"unit::u {os.environ['PYTEST_XDIST_WORKER']} {os.nice(0)}\\n")
+    log("unit::u", os.nice(0))
 '''
 
 
