@@ -79,3 +79,22 @@ def test_cell_time_accounts_for_every_cell_second():
     assert held == pytest.approx(cfg.cluster.num_cells * res.makespan_s, rel=1e-9)
     assert 0 < t["rollout_busy_s"] <= t["rollout_s"] * (1 + 1e-9)
     assert 0 < t["train_busy_s"] <= t["train_s"] * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("train_cells,spare", [(3, 1), (2, 0), (5, 1)])
+def test_training_cells_beyond_whole_replicas_are_counted_spare(train_cells, spare):
+    # A replica of 2 one-node cells: a world of 3 trains as fast as one of 2, and its
+    # third cell is held busy for nothing. `--losses` reports it apart from the cost of
+    # wide worlds (nl2repo-2.4t's elastic held 11 cells, 8 of them usable).
+    from gyre_slurm.sched.baselines import AsyncPolicy
+
+    cfg = load_config(None, ["cluster.num_nodes=6", "cluster.cell_nodes=1",
+                             "training.min_replica_nodes=2", "rollout.runs_per_node=8",
+                             "workload.num_steps=3", "workload.prompts_per_step=8",
+                             "workload.group_size=2"])
+    res = Simulator(cfg, AsyncPolicy(rollout_cells=6 - train_cells),
+                    sample_workload(cfg)).run()
+    t = res.cell_time()
+    assert t["train_busy_s"] > 0
+    assert t["train_spare_s"] == pytest.approx(t["train_busy_s"] * spare / train_cells,
+                                               rel=1e-9)

@@ -103,11 +103,13 @@ def assumptions() -> None:
 def losses(presets) -> None:
     """Each policy's cell-seconds (cells x makespan), as a share of what the lower bound
     needs (rollout at full load, training at the best per-node rate): rollout cells not
-    full, training cells waiting for groups, training slower than the best rate (wider
-    worlds), cells in transit."""
+    full, training cells waiting for groups, training cells beyond the world's whole
+    model replicas (held, adding no throughput), training slower than the best rate
+    (wider worlds), cells in transit."""
     print("| preset | policy | makespan / bound | cell-s / bound's need | rollout not full "
-          "| training idle | training below best rate | in transit |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| training idle | training cells beyond whole replicas "
+          "| training below best rate | in transit |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in presets:
         cfg = load_config(preset_path(name))
         w = sample_workload(cfg)
@@ -121,7 +123,8 @@ def losses(presets) -> None:
             print(f"| {name} | {label} | {res.makespan_s / b['lower_bound_s']:.3f} | "
                   f"{held / need:.3f} | {(t['rollout_s'] - t['rollout_busy_s']) / need:.1%} | "
                   f"{(t['train_s'] - t['train_busy_s']) / need:.1%} | "
-                  f"{(t['train_busy_s'] - b['train_cell_s']) / need:.1%} | "
+                  f"{t['train_spare_s'] / need:.1%} | "
+                  f"{(t['train_busy_s'] - t['train_spare_s'] - b['train_cell_s']) / need:.1%} | "
                   f"{t['transit_s'] / need:.1%} |", flush=True)
 
 

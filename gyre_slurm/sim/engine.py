@@ -51,12 +51,14 @@ class SimResult:
 
     def cell_time(self) -> dict[str, float]:
         """Where the cell-seconds went: held in rollout (busy: load / capacity), held in
-        training (busy: computing), in transit (draining or loading)."""
+        training (busy: computing; of that, spare: cells beyond the world's whole model
+        replicas, which add no throughput), in transit (draining or loading)."""
         held: dict[str, float] = collections.defaultdict(float)
         for _, t0, t1, state in self.timeline:
             held["transit" if "->" in state else state] += t1 - t0
         return {"rollout_s": held["rollout"], "rollout_busy_s": self.busy_cell_s["rollout"],
                 "train_s": held["train"], "train_busy_s": self.busy_cell_s["train"],
+                "train_spare_s": self.busy_cell_s.get("train_spare", 0.0),
                 "transit_s": held["transit"]}
 
     def summary(self) -> dict:
@@ -108,6 +110,7 @@ class Simulator:
         self.mb: Microbatch | None = None
         self.last_world: frozenset[int] = frozenset()
         self.train_busy_cell_s = np.zeros(num_cells)
+        self.train_spare_cell_s = 0.0  # of that, cells beyond the world's whole replicas
         self.handoff_log: list[dict] = []
         self.pending_handoff: dict[int, dict] = {}
         self.timeline_open = {i: (0.0, layout.roles[i].value) for i in range(num_cells)}
@@ -325,10 +328,17 @@ class Simulator:
         self.ledger.hand_out(step, tokens)
         self.push(self.mb.end_s, TRAIN_DONE)
 
+    def spare_cells(self, cells: int) -> float:
+        """Cells of a training world of `cells` that no whole model replica uses: they
+        are held (and counted busy) but add no throughput."""
+        nodes, replica = cells * self.cfg.cluster.cell_nodes, self.cfg.training.min_replica_nodes
+        return (nodes - nodes // replica * replica) / self.cfg.cluster.cell_nodes
+
     def on_train_done(self, _a: int, _b: int) -> None:
         mb, self.mb = self.mb, None
         for cell in mb.world:
             self.train_busy_cell_s[cell] += mb.compute_s
+        self.train_spare_cell_s += mb.compute_s * self.spare_cells(len(mb.world))
         step = self.version
         if mb.optimizer:
             self.finish_step()
@@ -434,5 +444,6 @@ class Simulator:
             work_done_s=self.work_done, migrations=self.migrations,
             timeline=self.timeline, decisions=self.decisions,
             busy_cell_s={"rollout": float(self.rollout.busy_cell_s.sum()),
-                         "train": float(self.train_busy_cell_s.sum())},
+                         "train": float(self.train_busy_cell_s.sum()),
+                         "train_spare": float(self.train_spare_cell_s)},
         )
