@@ -165,3 +165,27 @@ def test_the_speed_memo_answers_as_interp_and_stays_bounded():
     for load in rng.uniform(0.0, 3.0, outlook.SPEED_CACHE * 3):
         assert prior.speed(load) == float(np.interp(load, np.arange(4), prior.rate_by_load))
         assert len(prior._speeds) <= outlook.SPEED_CACHE
+
+
+def test_plans_keep_the_training_side_in_whole_replicas():
+    # A replica spans 2 cells. A training side of 3 (a cell of it failed, say) trains as
+    # fast as one of 2 and holds the third for nothing: every plan the policy weighs
+    # ends on whole replicas (nl2repo-2.4t's elastic held 11 cells, 8 of them usable,
+    # for the whole job before this rule: docs/scheduler.md).
+    import dataclasses
+
+    from gyre_slurm.sched.outlook import build_outlook
+
+    p = policy()
+    o = dataclasses.replace(observe([R, R, R, R, T, T, T], [4, 4, 2, 1, 0, 0, 0], queued=0,
+                                    ready=50_000.0), min_train_cells=2)
+    outlook = build_outlook(o, p.prior, horizon_steps=2, streaming=True)
+    sizes = set()
+    for family in p.candidates(o, outlook):
+        for plan in family:
+            after = 3 + (len(plan.cells) if plan.kind == "release" else -len(plan.cells))
+            sizes.add((plan.kind, len(plan.cells)))
+            assert after % 2 == 0, (plan.kind, len(plan.cells))
+    assert ("reclaim", 1) in sizes and ("release", 1) in sizes  # both ways to a whole one
+    moves = p.decide(o)  # whatever it decides here: whole replicas after it
+    assert (3 + sum(1 if d.to_role is T else -1 for d in moves)) % 2 == 0, moves

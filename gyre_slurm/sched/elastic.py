@@ -124,7 +124,10 @@ class ElasticPolicy:
         stay = self.evaluate(outlook, obs, Plan("stay", []))
         best, later = stay, stay
         out = releasable_cells(obs, 0.0)
+        training = floors.roles.count(Role.TRAIN)
         for m in range(1, len(out) + 1):
+            if not _whole(training + m, obs.min_train_cells):
+                continue
             plan = self.evaluate(outlook, obs, Plan("release", out[:m]))
             if plan.rank < best.rank:
                 best = plan
@@ -216,15 +219,18 @@ class ElasticPolicy:
         dwell = self.cfg.min_dwell_s
         cancel = draining_to_train(obs)
         back = cancel + takeable_train_cells(obs, dwell)
+        training = len(obs.heading_to(Role.TRAIN))
         families = [[Plan("reclaim", back[:m], cancel=min(m, len(cancel)))
-                     for m in _counts(len(back), obs.min_train_cells)]]
+                     for m in _counts(len(back), obs.min_train_cells)
+                     if _whole(training - m, obs.min_train_cells)]]
         out = releasable_cells(obs, dwell)
         drains = ("wait", "migrate") if self.cfg.drain == "auto" else (self.cfg.drain,)
         for drain in drains:  # idle cells leave alike either way: tried once
             families.append([Plan("release", out[:m], drain=drain)
                              for m in _counts(len(out), obs.min_train_cells)
-                             if drain != "migrate" or len(drains) == 1
-                             or _can_migrate(obs, out[:m])])
+                             if _whole(training + m, obs.min_train_cells)
+                             and (drain != "migrate" or len(drains) == 1
+                             or _can_migrate(obs, out[:m]))])
         return families
 
     def evaluate(self, outlook: Outlook, obs: Observation, plan: Plan) -> Plan:
@@ -420,6 +426,12 @@ def _can_migrate(obs: Observation, cells: list[CellObs]) -> bool:
     staying = [c for c in obs.cells if c.role is Role.ROLLOUT and c.cell_id not in leaving]
     free = sum(obs.cell_capacity - c.active_runs for c in staying) - obs.runs_queued
     return 0 < moving <= free
+
+
+def _whole(cells: int, replica: int) -> bool:
+    """A training side of this many cells wastes none: each is in a whole model replica
+    (a cell beyond them would be held in training and add no throughput)."""
+    return replica <= 1 or cells % replica == 0
 
 
 def _counts(n: int, replica: int) -> list[int]:
