@@ -95,7 +95,7 @@ PRESETS = [name for name in preset_names() if name != "small"]
 # The aim is 1.15 everywhere; these presets miss it, each by the figure measured when the
 # policy landed (docs/scheduler.md, "Against the lower bound", says where the time goes),
 # so the test holds them to it: a change that loses more fails.
-MISSED = {"deepswe-122b": 1.20, "nl2repo-2.4t": 1.30, "terminalbench-122b-growing": 1.23,
+MISSED = {"deepswe-122b": 1.20, "nl2repo-2.4t": 1.22, "terminalbench-122b-growing": 1.23,
           "deepswe-122b-curriculum": 1.20}
 
 
