@@ -98,3 +98,30 @@ def test_training_cells_beyond_whole_replicas_are_counted_spare(train_cells, spa
     assert t["train_busy_s"] > 0
     assert t["train_spare_s"] == pytest.approx(t["train_busy_s"] * spare / train_cells,
                                                rel=1e-9)
+
+
+def test_the_tail_lending_experiment_lends_in_tails_and_gives_cells_back():
+    # tools/sim_lend.py, which docs/scheduler.md cites: cells go to training only while
+    # no run waits to start, come back when runs queue, and the job's semantics hold.
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "sim_lend.py"
+    spec = importlib.util.spec_from_file_location("sim_lend", path)
+    sim_lend = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim_lend)
+    cfg = load_config(None, ["cluster.num_nodes=4", "cluster.cell_nodes=1",
+                             "rollout.runs_per_node=4", "workload.num_steps=6",
+                             "workload.prompts_per_step=4", "workload.group_size=2",
+                             "training.node_tokens_per_s=200"])
+    w = sample_workload(cfg)
+    res = Simulator(cfg, sim_lend.TailLendPolicy(floor=1, floats=2), w).run()
+    assert res.runs_finished == w.num_runs
+    assert res.trajectories_per_step == [w.runs_per_step] * w.num_steps
+    assert res.max_staleness <= cfg.training.max_staleness
+    lends = [d for d in res.decisions if d["to"] == "train"]
+    backs = [d for d in res.decisions if d["to"] == "rollout"]
+    assert lends and backs, res.decisions[:4]
+    assert all(d["drain"] == "migrate" and "tail" in d["reason"] for d in lends)
+    assert all(d["cause"] in ("reclaim", "cancel_drain") for d in backs)
+    assert len(backs) <= len(lends)
