@@ -141,7 +141,12 @@ def test_external_runs_register_end_time_out_and_are_freed(engine, tmp_path):
         out["end-a"] = await post(f"{base}/runs/ext-a/end", EXT_KEY)
         out["a-again"] = await post(url % "ext-a", EXT_KEY)
         out["stats-live"] = gw.run_stats()
-        await asyncio.sleep(1.5)  # b and c go idle past 0.6 s: ended by the reaper
+        # b and c go idle past 0.6 s: the reaper (every 0.15 s) ends them; wait for it
+        # rather than a fixed time (a busy machine may run the reaper late)
+        for _ in range(200):
+            await asyncio.sleep(0.1)
+            if gw.run_stats()["external_runs"] == 0:
+                break
         out["stats-idle"] = gw.run_stats()
         out["load-idle"] = gw.server_load()["s0"]
         out["b-after-idle"] = await post(url % "ext-b", EXT_KEY)
