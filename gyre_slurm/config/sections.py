@@ -89,6 +89,11 @@ class SchedulerConfig:
     horizon_steps: int = key(4, "steps the outlook looks ahead, beyond those allowed now")
     min_gain: float = key(0.02, "a move must finish the outlook's horizon this fraction of "
                                 "its time sooner")
+    lend_cells: int = key(0, "elastic lends at most this many spare rollout cells (and "
+                             "half the cells) to training in a step's tail (no run waiting "
+                             "to start, the next batch not yet allowed) and takes them back "
+                             "when it is; 0: never (the default: docs/scheduler.md). Only "
+                             "where a model replica is one cell")
     hysteresis: float = key(0.5, "the waterlevel rule's h: release while R - L >= 1 + h, "
                                  "reclaim while L > R + h")
     confirm_s: float = key(60.0, "a release must stay the best move this long before a "
@@ -101,7 +106,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _all_positive(self, ("min_rollout_cells", "min_train_cells", "hysteresis",
-                             "confirm_s", "min_dwell_s", "min_gain"), allow_zero=True)
+                             "confirm_s", "min_dwell_s", "min_gain", "lend_cells"),
+                      allow_zero=True)
         _positive("horizon_steps", self.horizon_steps)
         _positive("interval_s", self.interval_s)
 

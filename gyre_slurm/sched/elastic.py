@@ -40,6 +40,7 @@ import numpy as np
 
 from gyre_slurm.config.schema import SchedulerConfig
 from gyre_slurm.sched.cells import Role
+from gyre_slurm.sched.lend import TailLending
 from gyre_slurm.sched.outlook import (Capacity, Outlook, StepOutlook, WorkloadPrior,
                                       build_outlook, longest_of, mixed_alive_curve,
                                       residual_tail)
@@ -105,6 +106,8 @@ class ElasticPolicy:
         self._key: tuple | None = None  # the state the last plan was made in
         self._planned_at = -math.inf
         self._drains: dict[int, str] = {}  # cell draining towards training -> wait or migrate
+        self.lending = TailLending(cfg.lend_cells)
+        self._lend_refused_at = -math.inf
 
     def initial_layout(self, num_cells: int) -> Layout:
         """The floors, plus the elastic cells the outlook would have train from the start
@@ -117,8 +120,7 @@ class ElasticPolicy:
                       for i, (role, alone) in enumerate(zip(floors.roles, floors.standalone)))
         obs = dataclasses.replace(self.opening, cells=cells, handoff_to_train_s=0.0,
                                   handoff_to_rollout_s=0.0)  # no cell has a role to leave
-        outlook = build_outlook(obs, self.prior, horizon_steps=self.cfg.horizon_steps,
-                                streaming=self.streaming)
+        outlook = self.outlook(obs)
         if not outlook.steps:
             return floors
         stay = self.evaluate(outlook, obs, Plan("stay", []))
@@ -167,12 +169,16 @@ class ElasticPolicy:
         for c in obs.cells:  # drains that ended
             if c.role is not Role.DRAINING:
                 self._drains.pop(c.cell_id, None)
+        moves = self.lending.returns(obs) or self.lend(obs)
+        if moves or (self.lending.lent and obs.runs_future > 0):
+            if moves:
+                self._key, self._release_since = None, None
+            return moves  # cells lent to a step's tail: the base layout holds meanwhile
         key = self.state_key(obs)
         if key == self._key and obs.now_s - self._planned_at < self.cfg.confirm_s:
             return []  # nothing changed that could change the plan: staying still holds
         self._key, self._planned_at, self._tails, self._alive = key, obs.now_s, {}, None
-        outlook = build_outlook(obs, self.prior, horizon_steps=self.cfg.horizon_steps,
-                                streaming=self.streaming)
+        outlook = self.outlook(obs)
         if not outlook.steps:
             return []
         stay = self.evaluate(outlook, obs, Plan("stay", []))
@@ -192,6 +198,49 @@ class ElasticPolicy:
             self._release_since = None
         self._key = None
         return self.decisions(obs, outlook, stay, best)
+
+    def outlook(self, obs: Observation, *, lending: bool = True) -> Outlook:
+        return build_outlook(obs, self.prior, horizon_steps=self.cfg.horizon_steps,
+                             streaming=self.streaming,
+                             lend_cells=max(0, self.lending.cells(obs) - len(self.lending.lent))
+                             if lending else 0)
+
+    def lend(self, obs: Observation) -> list[Decision]:
+        """Lend a spare rollout cell to training for this step's tail (`TailLending`),
+        if the outlook expects the horizon trained sooner with lending than without."""
+        cell = self.lending.candidate(obs)
+        if cell is None or obs.now_s - self._lend_refused_at < self.cfg.confirm_s:
+            return []
+        self._tails, self._alive = {}, None
+        with_lending = self.outlook(obs)
+        if not with_lending.steps:
+            return []
+        lend = self.evaluate(with_lending, obs, Plan("stay", []))
+        lent_cell_s = with_lending.lent_cell_s
+        stay = self.evaluate(self.outlook(obs, lending=False), obs, Plan("stay", []))
+        gain = stay.finish_s - lend.finish_s
+        if not gain > 0:
+            self._lend_refused_at = obs.now_s
+            return []
+        self.lending.lent[cell.cell_id] = obs.now_s
+        self._drains[cell.cell_id] = "migrate"
+        cost = obs.handoff_to_train_s + obs.handoff_to_rollout_s
+        backlog = self.lending.backlog_s(obs)
+        expected = {
+            "plan": "lend", "cells": 1, "drain": "migrate", "migrated_runs": cell.active_runs,
+            "finish_s": _r(lend.finish_s), "finish_without_lending_s": _r(stay.finish_s),
+            "gain_s": _r(gain), "lent_cell_s": _r(lent_cell_s), "handoff_cell_s": _r(cost),
+            "backlog_s": _r(backlog),
+            "train_end_s": [_r(x) for x in lend.train_end or []],
+            "train_end_without_lending_s": [_r(x) for x in stay.train_end or []],
+        }
+        reason = (f"lend 1 cell to training for this step's tail: no run queued, the next "
+                  f"batch not yet allowed, {_r(backlog)} s of training ready; its "
+                  f"{cell.active_runs} run(s) migrate to free slots; expected trained at "
+                  f"{_r(lend.finish_s)} s vs {_r(stay.finish_s)} s without lending (gains "
+                  f"{_r(gain)} s); costs {_r(cost)} cell-s in handoffs there and back")
+        return [Decision(cell.cell_id, Role.TRAIN, "release", reason, drain="migrate",
+                         expected=expected)]
 
     def best_plan(self, outlook: Outlook, obs: Observation, stay: Plan) -> Plan:
         best = stay
@@ -217,8 +266,9 @@ class ElasticPolicy:
     def candidates(self, obs: Observation, outlook: Outlook) -> list[list[Plan]]:
         """Families of plans, each by growing numbers of cells."""
         dwell = self.cfg.min_dwell_s
-        cancel = draining_to_train(obs)
-        back = cancel + takeable_train_cells(obs, dwell)
+        lent = self.lending.lent  # lent for the job's last tail: not taken back
+        cancel = [c for c in draining_to_train(obs) if c.cell_id not in lent]
+        back = cancel + [c for c in takeable_train_cells(obs, dwell) if c.cell_id not in lent]
         training = len(obs.heading_to(Role.TRAIN))
         families = [[Plan("reclaim", back[:m], cancel=min(m, len(cancel)))
                      for m in _counts(len(back), obs.min_train_cells)
@@ -354,7 +404,7 @@ class ElasticPolicy:
 
     # -- the decisions and their log ---------------------------------------------------
     def decisions(self, obs: Observation, outlook: Outlook, stay: Plan, best: Plan) -> list[Decision]:
-        first, last = outlook.steps[0].step, outlook.steps[-1].step
+        first, last = outlook.steps[0].step, outlook.steps[-1 - outlook.hidden].step
         gain = stay.finish_s - best.finish_s
         to_rollout = best.kind == "reclaim"
         h = obs.handoff_to_rollout_s if to_rollout else obs.handoff_to_train_s

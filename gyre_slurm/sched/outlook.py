@@ -122,6 +122,11 @@ class Outlook:
     speed: Callable[[float], float] = lambda load: 1.0  # a run's speed at a cell's load
     concurrency: int = 0  # runs a staleness window holds (0: those known now)
     trained_before: dict[int, float] = field(default_factory=dict)  # TE of steps before
+    lend: tuple[float, float, int] | None = None  # (to train, to rollout) handoff seconds
+    #   and cells at most: spare rollout cells train in steps' tails (the policy lends them)
+    steps_after: int = 0  # steps of the job after the horizon's last
+    hidden: int = 0  # steps at the end of `steps` past the horizon: simulated only for
+    #                  the lending in their tails (the horizon's last step trains then)
 
     def _speed(self, runs: float, cells: float) -> float:
         """A run's speed when `runs` share `cells` rollout cells (lighter cells decode
@@ -172,29 +177,95 @@ class Outlook:
 
     def finish_s(self, rollout: Capacity, train: Capacity) -> tuple[float, list[float], list[float]]:
         """When the horizon's last step is trained under this plan; and per step, the
-        rollout end F_k and the training end TE_k."""
+        rollout end F_k and the training end TE_k. Steps are trained in order, each as
+        soon as the step it allows is rolled out: with `lend`, the rollout cells that
+        step's tail leaves spare train meanwhile (`_lend`)."""
         te: dict[int, float] = dict(self.trained_before)
         self.cohorts: list[tuple[int, float, float, DurationModel, float]] = []
-        rollout_end, train_end = [], []
-        prev_te = self.now_s
+        self.lent_cell_s = 0.0  # cell-seconds lent cells train (expected)
+        if self.lend is not None:  # lending changes the capacities: the plan's own stay
+            rollout, train = rollout.copy(), train.copy()
+        rollout_end: list[float] = []
+        train_end: list[float] = []
         active = sum(s.inflight + (s.new_runs if s.allowed else 0) for s in self.steps)
         now_speed = self._speed(active, rollout.count_at(self.now_s))
         self.now_speed = now_speed
         window = self.concurrency or active
-        for s in self.steps:
+        n = len(self.steps)
+        for i, s in enumerate(self.steps):
+            while len(train_end) < i - self.staleness:  # the steps allowing this one
+                self._train_next(train, rollout_end, train_end, te)
             allowed = self.now_s if s.allowed else te.get(s.step - self.staleness - 1, self.now_s)
             end = self.now_s + s.inflight_tail_s / now_speed
             if s.new_runs and s.model is not None:
                 end = max(end, self._start_new(s, rollout, allowed, window))
             rollout_end.append(end)
-            if self.streaming:
-                t = _streamed_end(self, s, train, prev_te, end)
+            j = i - self.staleness  # its training end allows the step after this one
+            final = i + 1 == n and self.steps_after == 0  # the job's last: lent for good
+            if self.lend is not None and j >= len(train_end) and (final or not (
+                    i + 1 < n and self.steps[i + 1].allowed)):
+                while len(train_end) < j:
+                    self._train_next(train, rollout_end, train_end, te)
+                self._lend(i, rollout, train, rollout_end, train_end, te, final=final)
+        while len(train_end) < n:
+            self._train_next(train, rollout_end, train_end, te)
+        shown = n - self.hidden
+        return train_end[shown - 1], rollout_end[:shown], train_end[:shown]
+
+    def _train_next(self, train: Capacity, rollout_end: list[float], train_end: list[float],
+                    te: dict[int, float]) -> float:
+        """Train the next step of the horizon (its rollout end is known)."""
+        j = len(train_end)
+        s, end = self.steps[j], rollout_end[j]
+        prev_te = train_end[-1] if train_end else self.now_s
+        if self.streaming:
+            t = _streamed_end(self, s, train, prev_te, end)
+        else:
+            t = train.solve(max(prev_te, end), s.tokens)
+        train_end.append(t + self.optimizer_step_s)
+        te[s.step] = train_end[-1]
+        return train_end[-1]
+
+    def _lend(self, i: int, rollout: Capacity, train: Capacity, rollout_end: list[float],
+              train_end: list[float], te: dict[int, float], *, final: bool) -> None:
+        """Step i's tail: once its last runs have started and until the step after it is
+        allowed (when the step `staleness` before it is trained), the rollout cells its
+        runs in flight leave spare (all but one, `lend[2]` at most) train, arriving a
+        handoff later; they go back when that step is trained and serve rollout again a
+        handoff later. A cell that would arrive after that is not lent. In the job's
+        last step (`final`) they train to the end."""
+        h_t, h_r, most = self.lend
+        s = self.steps[i]
+        starts = [c[1] for c in self.cohorts if c[0] == s.step]
+        lo = max([self.now_s] + starts)
+        hi = rollout_end[i]
+        if not lo < hi < math.inf:
+            self._train_next(train, rollout_end, train_end, te)
+            return
+        ts = linspace(lo, hi, 16)
+        cells = rollout.counts_at(ts)
+        spare = np.minimum(np.floor(cells - occupancy(self, ts) / self.cap + 1e-9), cells - 1)
+        spare = np.maximum.accumulate(np.clip(spare, 0, most))
+        steps = np.diff(np.concatenate(([0.0], spare)))
+        lent = [(float(t), float(d)) for t, d in zip(ts, steps) if d > 0]
+        for t, d in lent:
+            rollout.change(t, -d)
+            train.change(t + h_t, +d)
+        until = self._train_next(train, rollout_end, train_end, te)
+        while final and len(train_end) < len(self.steps):
+            until = self._train_next(train, rollout_end, train_end, te)
+        kept = 0.0
+        for t, d in lent:
+            if t + h_t >= until:  # too late to train any of it: not lent
+                rollout.change(t, +d)
+                train.change(t + h_t, -d)
             else:
-                t = train.solve(max(prev_te, end), s.tokens)
-            prev_te = t + self.optimizer_step_s
-            te[s.step] = prev_te
-            train_end.append(prev_te)
-        return prev_te, rollout_end, train_end
+                kept += d
+        if kept and not final:
+            train.change(until, -kept)
+            rollout.change(until + h_r, +kept)
+        self.lent_cell_s += sum(until - t - h_t for t, d in lent if t + h_t < until for _ in
+                                range(int(d)))
 
 
 LEVELS = np.array([0.25, 0.5, 0.75, 0.9, 0.97])
@@ -410,7 +481,7 @@ class WorkloadPrior:
 
 
 def build_outlook(obs: Observation, p: WorkloadPrior, *, horizon_steps: int,
-                  streaming: bool) -> Outlook:
+                  streaming: bool, lend_cells: int = 0) -> Outlook:
     """The outlook of an observation: the steps allowed now and `horizon_steps` more,
     each with its runs in flight (their survival), its runs queued or still to come (the
     queued ones are the latest allowed: runs start in order) and its tokens to train."""
@@ -427,12 +498,14 @@ def build_outlook(obs: Observation, p: WorkloadPrior, *, horizon_steps: int,
     shift = next((k for k in range(last_allowed + 1, last + 1) if p.shifts(v, k)), None)
     if shift is not None:
         last = shift - 1
+    # Lending in the tail of the step after the horizon trains its last step: simulate it.
+    hidden = 1 if lend_cells > 0 and shift is None and last + 1 < obs.num_steps else 0
     run_steps = obs.run_steps if obs.run_steps is not None else np.full(
         obs.runs_in_flight, v, dtype=np.int64)
     elapsed = np.asarray(obs.run_elapsed_s, dtype=float)
     tok_v = obs.tokens_per_run
     steps, finished_later = [], 0.0
-    for k in range(v, last + 1):
+    for k in range(v, last + 1 + hidden):
         model = p.durations.at(k)
         mine = run_steps == k
         inflight = int(mine.sum())
@@ -465,4 +538,7 @@ def build_outlook(obs: Observation, p: WorkloadPrior, *, horizon_steps: int,
                    concurrency=rps * (p.staleness + 1) if rps > 0 else 0,
                    train_rate=train_rate_fn(obs.train_tokens_per_cell_s,
                                             min_cells=obs.min_train_cells,
-                                            efficiency=p.scaling_efficiency))
+                                            efficiency=p.scaling_efficiency),
+                   lend=(obs.handoff_to_train_s, obs.handoff_to_rollout_s, lend_cells)
+                   if lend_cells > 0 else None,
+                   steps_after=obs.num_steps - 1 - last - hidden, hidden=hidden)
