@@ -25,8 +25,8 @@ import sys
 from gyre_slurm.config.presets import preset_path
 from gyre_slurm.config.schema import load_config
 from gyre_slurm.sched.cells import Role
+from gyre_slurm.sched.lend import TailLending
 from gyre_slurm.sched.policies import named_policy
-from gyre_slurm.sched.rule import releasable_cells
 from gyre_slurm.sched.types import Decision, Layout, Observation
 from gyre_slurm.sim.bounds import lower_bound
 from gyre_slurm.sim.runner import simulate
@@ -36,6 +36,14 @@ PRESETS = ("terminalbench-122b", "deepswe-122b", "nl2repo-122b", "nl2repo-2.4t",
            "terminalbench-122b-growing", "deepswe-122b-curriculum")
 
 
+class _Unbounded(TailLending):
+    """The product's lending rule (`sched/lend.py`), less its bounds: any replica size,
+    up to `most` cells whatever the cluster's size; no outlook deciding."""
+
+    def cells(self, obs: Observation) -> int:
+        return self.most
+
+
 class TailLendPolicy:
     max_staleness = None
     streaming = True
@@ -43,7 +51,7 @@ class TailLendPolicy:
     def __init__(self, *, floor: int, floats: int):
         self.floor, self.floats = floor, floats
         self.name = f"lend-{floor}+{floats}"
-        self.lent: set[int] = set()
+        self.lending = _Unbounded(floats)
 
     def initial_layout(self, num_cells: int) -> Layout:
         roll = num_cells - self.floor
@@ -51,34 +59,16 @@ class TailLendPolicy:
                       standalone=(False,) * roll + (True,) * self.floor)
 
     def decide(self, obs: Observation) -> list[Decision]:
-        cells = {c.cell_id: c for c in obs.cells}
-        self.lent = {i for i in self.lent if cells[i].heading is Role.TRAIN}
-        if obs.runs_queued > 0:  # the next batch is allowed: every lent cell comes back
-            out = [Decision(i, Role.ROLLOUT,
-                            "cancel_drain" if cells[i].role is Role.DRAINING else "reclaim",
-                            f"{obs.runs_queued} runs queue: lent cell {i} comes back")
-                   for i in sorted(self.lent)
-                   if cells[i].role in (Role.DRAINING, Role.TRAIN)]
-            self.lent -= {d.cell_id for d in out}
-            return out
-        if (len(self.lent) >= self.floats
-                or obs.train_ready_tokens <= 0
-                or any(c.role in (Role.DRAINING, Role.LOADING) for c in obs.cells)):
+        back = self.lending.returns(obs)  # runs queue: every lent cell comes back
+        if back or obs.runs_queued > 0:
+            return back
+        cell = self.lending.candidate(obs)
+        if cell is None:
             return []
-        train = sum(1 for c in obs.cells if c.role is Role.TRAIN)
-        backlog_s = obs.train_ready_tokens / (obs.train_tokens_per_cell_s * max(1, train))
-        roll = releasable_cells(obs, 0.0)
-        if backlog_s < obs.handoff_to_train_s or len(roll) <= 1:
-            return []
-        cell = roll[0]
-        free = sum(obs.cell_capacity - c.active_runs for c in obs.cells
-                   if c.role is Role.ROLLOUT and c.cell_id != cell.cell_id)
-        if cell.active_runs > free:
-            return []
-        self.lent.add(cell.cell_id)
+        self.lending.lent[cell.cell_id] = obs.now_s
         return [Decision(cell.cell_id, Role.TRAIN, "release",
-                         f"step's tail: {backlog_s:.0f} s of training ready, cell "
-                         f"{cell.cell_id}'s {cell.active_runs} runs fit elsewhere",
+                         f"step's tail: {self.lending.backlog_s(obs):.0f} s of training "
+                         f"ready, cell {cell.cell_id}'s {cell.active_runs} runs fit elsewhere",
                          drain="migrate")]
 
 
