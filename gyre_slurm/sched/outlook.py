@@ -264,8 +264,7 @@ class Outlook:
         if kept and not final:
             train.change(until, -kept)
             rollout.change(until + h_r, +kept)
-        self.lent_cell_s += sum(until - t - h_t for t, d in lent if t + h_t < until for _ in
-                                range(int(d)))
+        self.lent_cell_s += sum((until - t - h_t) * d for t, d in lent if t + h_t < until)
 
 
 LEVELS = np.array([0.25, 0.5, 0.75, 0.9, 0.97])
