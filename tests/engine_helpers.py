@@ -9,6 +9,9 @@ from gyre_slurm.engines import start_engine, write_secret
 from gyre_slurm.models import tiny
 
 HOST = "127.0.0.1"
+# An embedded engine serves in ~5 s on a quiet machine; a loaded CI box has taken over
+# 60 s (the ready wait costs only when it fails).
+START_S = 180
 
 
 @contextlib.contextmanager
@@ -24,7 +27,7 @@ def tiny_engines(run_dir: Path, *, count: int = 1, max_positions: int = 512):
             procs.append(start_engine(
                 model_dir=model_dir, host=HOST, weights_dir=tiny.weights_dir(run_dir, 0),
                 version=0, secret_file=run_dir / "engine.secret",
-                log_path=run_dir / f"engine{i}.log", ready_timeout_s=60))
+                log_path=run_dir / f"engine{i}.log", ready_timeout_s=START_S))
         yield {"urls": [p.base_url for p in procs], "secret": secret, "model_dir": model_dir}
     finally:
         for p in procs:

@@ -74,7 +74,7 @@ def coordinator_pid(run_dir: Path) -> int:
 
 def engine_pid(run_dir: Path, node: int, k: int = 0) -> int:
     ready = Path(run_dir) / "logs" / f"engine-node{node}-s{k}.log.ready.json"
-    return json.loads(wait_for(lambda: ready.exists() and ready.read_text(), timeout_s=60,
+    return json.loads(wait_for(lambda: ready.exists() and ready.read_text(), timeout_s=180,
                                what=str(ready)))["pid"]
 
 

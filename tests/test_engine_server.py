@@ -8,6 +8,7 @@ import torch
 
 from gyre_slurm.engines import EngineClient, EngineError, start_engine, wait_healthy, write_secret
 from gyre_slurm.models import tiny
+from engine_helpers import START_S
 
 HOST = "127.0.0.1"
 
@@ -21,7 +22,7 @@ def engine(tmp_path_factory):
     secret = write_secret(run_dir / "engine.secret")
     proc = start_engine(model_dir=model_dir, host=HOST, weights_dir=tiny.weights_dir(run_dir, 0),
                         version=0, secret_file=run_dir / "engine.secret",
-                        log_path=run_dir / "engine.log", ready_timeout_s=60)
+                        log_path=run_dir / "engine.log", ready_timeout_s=START_S)
     try:
         yield {"proc": proc, "secret": secret, "run_dir": run_dir, "model_dir": model_dir}
     finally:

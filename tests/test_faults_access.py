@@ -297,10 +297,10 @@ def test_attacks_on_a_live_run_get_4xx_and_lose_nothing(tmp_path):
                                 preexec_fn=lambda: os.umask(0))
     try:
         gateway = wait_for(lambda: re.search(r"gateway serving at (http://[\d.]+:\d+)",
-                                             err.read_text()), timeout_s=60, what="gateway url")[1]
+                                             err.read_text()), timeout_s=180, what="gateway url")[1]
         agent = wait_for(lambda: [e for e in read_jsonl(run_dir / "events.jsonl")
                                   if e["kind"] == "agent_registered"] if
-                         (run_dir / "events.jsonl").exists() else None, timeout_s=60, what="agent")[0]
+                         (run_dir / "events.jsonl").exists() else None, timeout_s=180, what="agent")[0]
         secret = (run_dir / "secret").read_text().strip()
         ext_key = (run_dir / "external_key").read_text().strip()
         cmdline = Path(f"/proc/{agent['pid']}/cmdline").read_bytes().split(b"\0")

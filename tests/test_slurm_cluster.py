@@ -80,7 +80,7 @@ def test_batch_job_steps_on_a_node_and_traps_usr2(slurm_cluster, job_name, tmp_p
          f"--output={tmp_path}/slurm-%j.out", str(script)],
         env=slurm_cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_for(lambda: read(tmp_path / "ready.marker"), timeout_s=30, what="the job to start")
+        wait_for(lambda: read(tmp_path / "ready.marker"), timeout_s=120, what="the job to start")
         job = job_by_name(slurm_cluster, job_name)
         assert job is not None and job["job_state"] == "RUNNING"
         assert job["node_count"] == 4
@@ -110,10 +110,10 @@ def test_requeued_job_runs_again(slurm_cluster, job_name, tmp_path):
                    f"--job-name={job_name}", f"--chdir={tmp_path}", "--open-mode=append",
                    f"--output={tmp_path}/slurm-%j.out", str(script)).strip().split(";")[0]
     runs = tmp_path / "runs.txt"
-    wait_for(lambda: read(runs), timeout_s=30, what="the first run")
+    wait_for(lambda: read(runs), timeout_s=120, what="the first run")
     slurm(slurm_cluster, "scontrol", "requeue", job_id)
     # A requeued job may start again only after cred_expire (10 s here).
-    wait_for(lambda: len(read(runs).splitlines()) >= 2, timeout_s=45, what="the second run")
+    wait_for(lambda: len(read(runs).splitlines()) >= 2, timeout_s=120, what="the second run")
     lines = read(runs).splitlines()
     assert lines[0].startswith("restart=0 ") and lines[1].startswith("restart=1 ")
 
