@@ -44,6 +44,8 @@ def test_every_lend_and_return_says_what_it_expected(runs):
         if e.get("plan") == "lend":
             assert d["to"] == Role.TRAIN.value and d["drain"] == "migrate"
             assert e["gain_s"] > 0 and e["finish_s"] < e["finish_without_lending_s"]
+            left = e["finish_without_lending_s"] - d["t"]  # worth a move, as any move
+            assert e["gain_s"] >= cfg.scheduler.min_gain * left - 0.1, (d["t"], e)
             assert e["handoff_cell_s"] == pytest.approx(cost, abs=0.1)
             assert d["reason"].startswith("lend 1 cell") and "gains" in d["reason"]
             lent.add(d["cell"])
