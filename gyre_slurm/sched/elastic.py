@@ -183,9 +183,8 @@ class ElasticPolicy:
             return []
         stay = self.evaluate(outlook, obs, Plan("stay", []))
         best = self.best_plan(outlook, obs, stay)
-        left = max(stay.finish_s - obs.now_s, 1e-9)
         worth = best is not stay and (best.rank[0] < stay.rank[0] or best.rank[0] == 0 and
-                                      stay.finish_s - best.finish_s >= self.cfg.min_gain * left)
+                                      self.gains_enough(obs, stay, best.finish_s))
         if not worth or best.kind == "reclaim":
             self._release_since = None
         if not worth:
@@ -198,6 +197,12 @@ class ElasticPolicy:
             self._release_since = None
         self._key = None
         return self.decisions(obs, outlook, stay, best)
+
+    def gains_enough(self, obs: Observation, stay: Plan, finish_s: float) -> bool:
+        """Whether finishing at `finish_s` rather than as staying would is worth a move:
+        sooner by `min_gain` of the time staying leaves (a move, a lend alike)."""
+        left = max(stay.finish_s - obs.now_s, 1e-9)
+        return stay.finish_s - finish_s >= self.cfg.min_gain * left
 
     def outlook(self, obs: Observation, *, lending: bool = True) -> Outlook:
         """The horizon's outlook; with `lending`, crediting the lending to come, but only
@@ -226,8 +231,7 @@ class ElasticPolicy:
         lent_cell_s = with_lending.lent_cell_s
         stay = self.evaluate(self.outlook(obs, lending=False), obs, Plan("stay", []))
         gain = stay.finish_s - lend.finish_s
-        left = max(stay.finish_s - obs.now_s, 1e-9)
-        if not (gain > 0 and gain >= self.cfg.min_gain * left):  # as any move must
+        if not (gain > 0 and self.gains_enough(obs, stay, lend.finish_s)):
             self._lend_refused_at = obs.now_s
             return []
         self.lending.lent[cell.cell_id] = obs.now_s
