@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gyre_slurm.common.fsio import read_jsonl
+from engine_helpers import START_S
 
 
 def events(run_dir: Path, kind: str | None = None, **fields: Any) -> list[dict]:
@@ -74,7 +75,7 @@ def coordinator_pid(run_dir: Path) -> int:
 
 def engine_pid(run_dir: Path, node: int, k: int = 0) -> int:
     ready = Path(run_dir) / "logs" / f"engine-node{node}-s{k}.log.ready.json"
-    return json.loads(wait_for(lambda: ready.exists() and ready.read_text(), timeout_s=180,
+    return json.loads(wait_for(lambda: ready.exists() and ready.read_text(), timeout_s=START_S,
                                what=str(ready)))["pid"]
 
 
