@@ -56,7 +56,7 @@ def test_every_lend_and_return_says_what_it_expected(runs):
             lent.discard(d["cell"])
 
 
-def test_lending_needs_a_one_cell_replica_and_keeps_half_the_cells():
+def test_lending_needs_a_one_cell_replica_four_cells_and_keeps_half_of_them():
     cfg = load_config(preset_path("terminalbench-122b"), ["scheduler.lend_cells=6"])
     policy = named_policy(cfg, "elastic")
     lending = TailLending(6)
@@ -65,6 +65,7 @@ def test_lending_needs_a_one_cell_replica_and_keeps_half_the_cells():
         def __init__(self, cells, replica):
             self.cells, self.min_train_cells = [None] * cells, replica
 
-    assert lending.cells(Obs(8, 1)) == 4 and lending.cells(Obs(3, 1)) == 2
+    assert lending.cells(Obs(8, 1)) == 4 and lending.cells(Obs(4, 1)) == 2
+    assert lending.cells(Obs(3, 1)) == 0  # a lent cell would be half the rollout side
     assert lending.cells(Obs(16, 4)) == 0  # a lent cell short of a replica trains nothing
     assert policy.lending.most == 6
