@@ -6,7 +6,9 @@ import pytest
 
 from gyre_slurm.config.presets import preset_path
 from gyre_slurm.config.schema import load_config
-from gyre_slurm.sim.runner import compare
+from gyre_slurm.sched.policies import named_policy
+from gyre_slurm.sim import limits
+from gyre_slurm.sim.runner import compare, simulate
 from gyre_slurm.sim.workload import sample_workload
 
 ROOT_CONFIGS = __import__("pathlib").Path(__file__).resolve().parent.parent / "configs"
@@ -74,12 +76,46 @@ def test_workload_file_with_a_trace(gyre):
     (["--preset", "small", "--set", "workload.duration.dist=trace",
       "--set", "workload.duration.trace_file=none.txt"], "none.txt"),
     (["--preset", "small", "--sweep", "cell_nodes"], "expected KEY=V1,V2"),
+    # values that would make the simulation run for ever, overflow or exhaust memory:
+    # refused up front (sim/limits.py, config/phases.py, the loader's finite numbers)
+    (["--preset", "small", "--set", "workload.duration.mean_s=.inf"],
+     "workload.duration.mean_s: expected a finite number, got inf"),
+    (["--preset", "small", "--set", "workload.tokens_mean=1e999"],
+     "workload.tokens_mean: expected a finite number"),
+    (["--preset", "small", "--set", "workload.phases=[{from_step: 0, growth_per_step: 1e300}]"],
+     "durations reach x1.01e+304"),
+    (["--preset", "small", "--set", "workload.phases=[{from_step: 1, tokens_scale: 1e-9}]"],
+     "tokens reach x1e-09"),
+    (["--preset", "small", "--set", "workload.duration.mean_s=1e30"], "policy ticks"),
+    (["--preset", "small", "--set", "training.node_tokens_per_s=1e-30"], "policy ticks"),
+    (["--preset", "small", "--set", "scheduler.interval_s=1e-9"], "raise scheduler.interval_s"),
+    (["--preset", "small", "--set", "workload.phases=[{from_step: 0, turns: 1000000000}]"],
+     "policy ticks"),
+    (["--preset", "small", "--set", "workload.num_steps=100000000"],
+     "the workload has 3,200,000,000 runs"),
+    (["--preset", "small", "--set", "cluster.num_nodes=100000"], "100,000 cells"),
+    (["--preset", "small", "--set", "handoff.engine_start_s=1e30"],
+     "handoff.engine_start_s = 1e+30 s is longer than"),
+    (["--preset", "small", "--set", "rollout.weight_sync_s=1e30"], "rollout.weight_sync_s"),
 ])
 def test_bad_input_is_a_clear_error(gyre, args, message):
     proc = gyre("sim", *args, check=False)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_simulation_that_runs_past_the_limit_stops_with_a_clear_error(monkeypatch):
+    """What no check up front foresees (here handoffs of 5,000 s, each within the limit,
+    that colocate makes twice a step) stops the simulation once it has simulated
+    MAX_TICKS policy ticks, as a user error (the limit lowered to 1,000 ticks, 10,000
+    simulated seconds at the preset's 10 s interval, for the test's time)."""
+    monkeypatch.setattr(limits, "MAX_TICKS", 1000)
+    cfg = load_config(preset_path("small"), ["handoff.engine_start_s=5000"])
+    workload = sample_workload(cfg)
+    with pytest.raises(limits.TooLargeToSimulate, match="passed 1e.04 s"):
+        simulate(cfg, named_policy(cfg, "colocate"), workload)
+    assert simulate(cfg, named_policy(cfg, "async-even"), workload).makespan_s < 10_000
 
 
 def test_the_table_is_whole_when_stdout_is_not_a_terminal(gyre):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -192,9 +193,11 @@ def _convert_sequence(tp: Any, value: Any, *, path: str) -> Any:
 def _convert_scalar(tp: Any, value: Any, *, path: str) -> Any:
     if tp is float:
         if isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
-            return float(value)  # YAML 1.1 reads `1e9` as a string; take it as meant
+            value = float(value)  # YAML 1.1 reads `1e9` as a string; take it as meant
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {_describe(value)}")
+        if not math.isfinite(float(value)):  # no key means "never" or "none" by .inf/.nan
+            raise ConfigError(f"{path}: expected a finite number, got {value}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):

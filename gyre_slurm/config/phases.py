@@ -20,6 +20,7 @@ environments from it (`StepShape.env_params`). Pure: no I/O.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -107,6 +108,33 @@ def check_phases(phases: Sequence[PhaseConfig], *, num_steps: int, trace: bool) 
                              f"with duration.dist: trace scale the trace with "
                              f"duration_scale instead")
         last = p.from_step
+        end = phases[i + 1].from_step - 1 if i + 1 < len(phases) else num_steps - 1
+        _check_growth(i, p, steps_into=end - p.from_step)
+
+
+# A phase may scale a step's durations or tokens to at most this factor of the workload's,
+# and down to its inverse: past it the figures stop meaning anything (the simulator would
+# tick through centuries, a float overflow at 1e308 aside).
+MAX_FACTOR = 1e6
+
+
+def _check_growth(i: int, p: PhaseConfig, *, steps_into: int) -> None:
+    """The phase's duration and token factors, at its last step, within MAX_FACTOR
+    either way (in logs: a growth of 1e300 a step must not overflow on the way)."""
+    tokens_growth = p.growth_per_step if p.tokens_growth_per_step is None \
+        else p.tokens_growth_per_step
+    for what, scale, growth, names in (
+            ("durations", p.duration_scale, p.growth_per_step,
+             "duration_scale, growth_per_step"),
+            ("tokens", p.tokens_scale, tokens_growth,
+             "tokens_scale, growth_per_step, tokens_growth_per_step")):
+        log_factor = math.log(scale) + steps_into * math.log1p(growth)
+        if abs(log_factor) > math.log(MAX_FACTOR):
+            raise FieldError("phases", (
+                f"[{i}]: {what} reach x{math.exp(min(log_factor, 700.0)):.3g} the "
+                f"workload's by the phase's last step, {p.from_step + steps_into} ({names}); a phase may "
+                f"scale them between x{1 / MAX_FACTOR:g} and x{MAX_FACTOR:g}: lower the "
+                f"growth or end the phase sooner"))
 
 
 def shape_at(phases: Sequence[PhaseConfig], step: int, *, base_turns: int) -> StepShape:

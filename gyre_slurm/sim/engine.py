@@ -21,6 +21,8 @@ from gyre_slurm.sched.cells import Cell, CellTable, Role
 from gyre_slurm.sched.ledger import WorkLedger
 from gyre_slurm.sched.observe import RunsNow, build_observation, min_train_cells
 from gyre_slurm.sched.types import Decision, Observation, Policy
+from gyre_slurm.sim.limits import (MAX_TICKS, TooLargeToSimulate, check_costs, check_size,
+                                   check_ticks, time_limit_s)
 from gyre_slurm.sim.rollout import RUNNING, RolloutCells
 from gyre_slurm.sim.training import Microbatch, train_throughput
 from gyre_slurm.sim.workload import Workload, computed_per_tree_token
@@ -80,6 +82,14 @@ class Simulator:
         self.policy_handoff = policy_handoff or cfg.handoff
         self.cap = cfg.cell_capacity
         num_cells = cfg.cluster.num_cells
+        check_size(cfg)  # a workload may come from elsewhere than sample_workload
+        check_ticks(cfg, least_makespan_s=max(
+            float(workload.work_s.sum()) / (self.cap * num_cells),
+            float(workload.tokens.sum()) / train_throughput(cfg.training,
+                                                            cfg.cluster.num_nodes)
+            + workload.num_steps * cfg.training.optimizer_step_s))
+        check_costs(cfg)
+        self.time_limit_s = time_limit_s(cfg)  # what no estimate foresaw (handoff costs)
         layout = policy.initial_layout(num_cells)
         nodes = [f"node{i + 1}" for i in range(cfg.cluster.num_nodes)]
         groups = [tuple(nodes[i * cfg.cluster.cell_nodes:(i + 1) * cfg.cluster.cell_nodes])
@@ -145,6 +155,15 @@ class Simulator:
                     TRAIN_KICK: self.on_train_kick, ADMIT: self.on_admit}
         while self.version < self.w.num_steps:
             t, _, kind, a, b = heapq.heappop(self.events)
+            if t > self.time_limit_s:
+                raise TooLargeToSimulate(
+                    f"the simulated job passed {self.time_limit_s:.3g} s "
+                    f"({MAX_TICKS:,} policy ticks at scheduler.interval_s = "
+                    f"{self.cfg.scheduler.interval_s:g} s) at step {self.version} of "
+                    f"{self.w.num_steps}, the most the simulator takes. Check the costs "
+                    f"of the config (handoff, rollout.weight_sync_s, "
+                    f"training.optimizer_step_s) and the workload, or raise "
+                    f"scheduler.interval_s")
             self.now = t
             handlers[kind](a, b)
             self.flush_dirty()

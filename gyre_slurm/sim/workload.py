@@ -21,6 +21,7 @@ import numpy as np
 from gyre_slurm.config.phases import StepShape, step_shape
 from gyre_slurm.config.schema import DurationConfig, GyreConfig
 from gyre_slurm.config.trace import load_trace
+from gyre_slurm.sim.limits import check_size
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ def sample_durations(cfg: DurationConfig, num: int, rng: np.random.Generator,
 
 
 def sample_workload(cfg: GyreConfig, *, base_dir: Path | None = None) -> Workload:
+    check_size(cfg)
     w = cfg.workload
     rng = np.random.default_rng(cfg.seed)
     num = w.num_steps * w.runs_per_step

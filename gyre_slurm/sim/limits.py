@@ -1,0 +1,84 @@
+"""What the simulator takes on: a job it could not finish in any reasonable time is
+refused up front, with what to change, rather than left to run for days or to exhaust
+memory (a hostile or mistyped workload file: runs of 1e30 s, a throughput of 1e-30
+tokens/s, a million steps).
+
+- at most MAX_RUNS runs (each is a row of the workload's arrays);
+- at most MAX_CELLS cells (a policy tick looks at every cell; 64 cells already take
+  minutes);
+- at most MAX_TICKS policy ticks: the job's makespan, at the least (all rollout work on
+  full cells, or all tokens trained by the whole cluster and the optimizer steps), over
+  `scheduler.interval_s`; and, for what no estimate foresees (a handoff of 1e30 s), a
+  simulation still running at MAX_TICKS ticks stops with the same error.
+
+The limits are far above every shipped preset (about 11,000 ticks, 16 cells and 12,288
+runs at most) and the property tests' jobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gyre_slurm.config.schema import GyreConfig
+from gyre_slurm.errors import UserError
+
+MAX_RUNS = 2_000_000
+MAX_CELLS = 1024
+MAX_TICKS = 2_000_000
+
+
+class TooLargeToSimulate(UserError):
+    """The workload is beyond what the simulator takes on."""
+
+
+def check_size(cfg: GyreConfig) -> None:
+    """Runs and cells, before anything is allocated."""
+    w = cfg.workload
+    runs = w.num_steps * w.runs_per_step
+    if runs > MAX_RUNS:
+        raise TooLargeToSimulate(
+            f"the workload has {runs:,} runs (workload.num_steps {w.num_steps:,} x "
+            f"{w.runs_per_step:,} a step); the simulator takes at most {MAX_RUNS:,}: "
+            f"simulate fewer steps (its figures are per step and per job alike)")
+    if cfg.cluster.num_cells > MAX_CELLS:
+        raise TooLargeToSimulate(
+            f"the cluster has {cfg.cluster.num_cells:,} cells (cluster.num_nodes "
+            f"{cfg.cluster.num_nodes:,} / cell_nodes {cfg.cluster.cell_nodes}); the "
+            f"simulator takes at most {MAX_CELLS:,}: use larger cells or a smaller cluster")
+
+
+def check_costs(cfg: GyreConfig) -> None:
+    """No single cost (a handoff phase, a weight sync, an optimizer step, a reprefill)
+    longer than the whole time the simulator simulates."""
+    limit = time_limit_s(cfg)
+    costs = {f"handoff.{f.name}": getattr(cfg.handoff, f.name)
+             for f in dataclasses.fields(cfg.handoff) if f.name.endswith("_s")}
+    costs.update({"rollout.weight_sync_s": cfg.rollout.weight_sync_s,
+                  "rollout.reprefill_s": cfg.rollout.reprefill_s,
+                  "training.optimizer_step_s": cfg.training.optimizer_step_s})
+    for name, value in costs.items():
+        if not value <= limit:
+            raise TooLargeToSimulate(
+                f"{name} = {value:.3g} s is longer than the whole job the simulator "
+                f"simulates ({limit:.3g} s: {MAX_TICKS:,} policy ticks at "
+                f"scheduler.interval_s = {cfg.scheduler.interval_s:g} s): check its unit "
+                f"(seconds), or raise scheduler.interval_s")
+
+
+def check_ticks(cfg: GyreConfig, *, least_makespan_s: float) -> None:
+    """The policy ticks the job needs at the least, within MAX_TICKS."""
+    interval = cfg.scheduler.interval_s
+    ticks = least_makespan_s / interval
+    if not ticks <= MAX_TICKS:
+        raise TooLargeToSimulate(
+            f"the simulated job would take at least {least_makespan_s:.3g} s "
+            f"({least_makespan_s / 86400:.3g} days): {ticks:.3g} policy ticks at "
+            f"scheduler.interval_s = {interval:g} s, and the simulator takes at most "
+            f"{MAX_TICKS:,}. Check the run durations (workload.duration, phases) and the "
+            f"training throughput (training.node_tokens_per_s), or raise "
+            f"scheduler.interval_s")
+
+
+def time_limit_s(cfg: GyreConfig) -> float:
+    """Simulated seconds a job may run: MAX_TICKS policy ticks."""
+    return MAX_TICKS * cfg.scheduler.interval_s
