@@ -189,3 +189,23 @@ def test_plans_keep_the_training_side_in_whole_replicas():
     assert ("reclaim", 1) in sizes and ("release", 1) in sizes  # both ways to a whole one
     moves = p.decide(o)  # whatever it decides here: whole replicas after it
     assert (3 + sum(1 if d.to_role is T else -1 for d in moves)) % 2 == 0, moves
+
+
+def test_a_floor_smaller_than_a_replica_does_not_deadlock_the_job():
+    """2 cells, a 2-cell replica, a standalone training floor of 1 (scheduler.min_train_cells
+    1): training needs both cells and rollout one. Before, a reclaim that left training
+    below a whole replica was never weighed, and the floor cannot move: with both cells
+    training and step 1's run queued, nothing could progress (the simulator's deadlock,
+    found by tests/test_sim_props.py). The floor alone is a legal training side."""
+    cfg = load_config(None, [
+        "cluster.num_nodes=2", "cluster.cell_nodes=1", "training.min_replica_nodes=2",
+        "scheduler.min_train_cells=1", "scheduler.min_rollout_cells=0",
+        "scheduler.confirm_s=0", "scheduler.min_dwell_s=0", "scheduler.interval_s=10",
+        "workload.num_steps=2", "workload.prompts_per_step=1", "workload.group_size=1",
+        "workload.duration.mean_s=60", "workload.duration.sigma=0", "rollout.runs_per_node=1",
+        "training.max_staleness=0", "training.node_tokens_per_s=200", "seed=0"])
+    workload = sample_workload(cfg)
+    res = simulate(cfg, named_policy(cfg, "elastic"), workload)
+    assert res.runs_finished == workload.num_runs
+    reclaims = [d for d in res.decisions if d["to"] == "rollout"]
+    assert reclaims and all(d["cell"] == 1 for d in res.decisions)  # cell 0 is the floor

@@ -282,9 +282,14 @@ class ElasticPolicy:
         cancel = [c for c in draining_to_train(obs) if c.cell_id not in lent]
         back = cancel + [c for c in takeable_train_cells(obs, dwell) if c.cell_id not in lent]
         training = len(obs.heading_to(Role.TRAIN))
+        # Down to whole replicas, or to the standalone floor alone: a floor smaller than a
+        # replica (scheduler.min_train_cells 1, a 2-cell replica) trains nothing by
+        # itself, but it cannot move, so taking every other cell must stay possible (on 2
+        # cells the job deadlocked with both training and a run queued).
+        floor = sum(1 for c in obs.cells if c.standalone and c.role is Role.TRAIN)
         families = [[Plan("reclaim", back[:m], cancel=min(m, len(cancel)))
                      for m in _counts(len(back), obs.min_train_cells)
-                     if _whole(training - m, obs.min_train_cells)]]
+                     if _whole(training - m, obs.min_train_cells) or training - m == floor]]
         out = releasable_cells(obs, dwell)
         drains = ("wait", "migrate") if self.cfg.drain == "auto" else (self.cfg.drain,)
         for drain in drains:  # idle cells leave alike either way: tried once
