@@ -233,7 +233,7 @@ def test_packed_tokens_with_sequence_ids_equal_rows():
                                      m.reshape(-1), num_step_tokens=9, settings=s,
                                      seq_ids=seq.reshape(-1))
         g_flat, = torch.autograd.grad(flat, lg)
-        assert float(flat) == pytest.approx(float(rows), rel=1e-12)
+        assert flat.detach().item() == pytest.approx(rows.detach().item(), rel=1e-12)
         torch.testing.assert_close(g_flat, g_rows, rtol=1e-12, atol=1e-15)
 
 
@@ -259,7 +259,7 @@ def test_decoupled_with_the_steps_own_weights_is_tis():
         loss, stats = policy_loss(logits, ids, mask, old, adv, num_step_tokens=20,
                                   settings=s, prox_logprobs=p)
         loss.backward()
-        out[name] = (float(loss), [q.grad.clone() for q in model.parameters()], stats)
+        out[name] = (loss.item(), [q.grad.clone() for q in model.parameters()], stats)
     for name in ("decoupled", "decoupled_fwd"):
         assert out[name][0] == pytest.approx(out["tis"][0], rel=1e-12)
         for g, ref in zip(out[name][1], out["tis"][1]):
