@@ -42,6 +42,10 @@ def test_plot_writes_a_png(gyre, tmp_path):
     gyre("sim", "--preset", "small", "--no-ablations", "--plot", str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 10_000
+    svg = tmp_path / "t.svg"  # the format the suffix names, written whole (no temp left)
+    gyre("sim", "--preset", "small", "--no-ablations", "--plot", str(svg))
+    assert svg.read_text().lstrip().startswith("<?xml") and "<svg" in svg.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.png", "t.svg"]
 
 
 def test_sweep_runs_each_value(gyre):
@@ -97,6 +101,13 @@ def test_workload_file_with_a_trace(gyre):
     (["--preset", "small", "--set", "handoff.engine_start_s=1e30"],
      "handoff.engine_start_s = 1e+30 s is longer than"),
     (["--preset", "small", "--set", "rollout.weight_sync_s=1e30"], "rollout.weight_sync_s"),
+    (["--preset", "small", "--set", "seed=-1"], "seed = -1: seeds are whole numbers"),
+    # --plot is checked before the simulation runs, not when the figure is written
+    (["--preset", "small", "--plot", "/nonexistent-dir/x.png"],
+     "the folder /nonexistent-dir does not exist"),
+    (["--preset", "small", "--plot", "timelines.txt"], "name the image with one of"),
+    (["--preset", "small", "--plot", "x.png", "--sweep", "seed=1,2"],
+     "it does not go with --sweep"),
 ])
 def test_bad_input_is_a_clear_error(gyre, args, message):
     proc = gyre("sim", *args, check=False)

@@ -107,6 +107,9 @@ class GyreConfig:
         if not NAME.fullmatch(self.name):
             raise ConfigError(f"name = {self.name!r}: it names run dirs and Slurm jobs; use "
                               f"1-100 of A-Z a-z 0-9 _ . + - (not starting with . or -)")
+        if not 0 <= self.seed < 2 ** 63:
+            raise ConfigError(f"seed = {self.seed}: seeds are whole numbers from 0 to "
+                              f"2**63 - 1")
         self._check_engines()
         self._check_cells()
         self._check_runtime()

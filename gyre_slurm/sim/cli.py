@@ -23,7 +23,7 @@ from gyre_slurm.config.cli import add_set_argument
 from gyre_slurm.config.presets import preset_names, preset_path
 from gyre_slurm.config.schema import GyreConfig, load_config
 from gyre_slurm.errors import UserError
-from gyre_slurm.sim.report import plot_timelines, print_table, to_json
+from gyre_slurm.sim.report import check_plot_path, plot_timelines, print_table, to_json
 from gyre_slurm.sim.runner import compare
 
 
@@ -52,7 +52,12 @@ def run(args: argparse.Namespace) -> int:
     path = preset_path(args.preset) if args.preset else args.workload
     name = args.preset or Path(args.workload).stem
     if args.sweep:
+        if args.plot:
+            raise UserError("--plot draws one comparison's timelines; it does not go with "
+                            "--sweep (run the point you want to see without --sweep)")
         return run_sweep(args, path, name)
+    if args.plot:
+        check_plot_path(args.plot)  # before the simulation, not after it
     cfg = load_config(path, args.overrides)
     comparison = compare(cfg, ablations=not args.no_ablations, base_dir=Path(path).parent)
     summary = to_json(name=name, comparison=comparison)

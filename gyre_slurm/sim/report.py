@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import io
+import os
+from pathlib import Path
 from typing import Any
 
+from gyre_slurm.common.fsio import write_bytes_atomic
+from gyre_slurm.errors import UserError
 from gyre_slurm.sim.engine import SimResult
 
 ROLE_COLORS = {
@@ -73,6 +78,26 @@ def _console_for(table):
     return Console(width=Measurement.get(wide, wide.options, table).maximum)
 
 
+def check_plot_path(path: str) -> str:
+    """The image format `path` names, checked before any simulation: a suffix matplotlib
+    writes, in a folder that exists (else a UserError saying which)."""
+    from matplotlib.figure import Figure
+
+    target = Path(path)
+    fmt = target.suffix.lstrip(".").lower()
+    formats = sorted(Figure().canvas.get_supported_filetypes())
+    if fmt not in formats:
+        raise UserError(f"--plot {path}: name the image with one of the suffixes "
+                        f"{', '.join('.' + f for f in formats)} (e.g. timelines.png)")
+    folder = target.parent
+    if not folder.is_dir():
+        raise UserError(f"--plot {path}: the folder {folder} does not exist; create it or "
+                        f"name another")
+    if not os.access(folder, os.W_OK):
+        raise UserError(f"--plot {path}: the folder {folder} is not writable")
+    return fmt
+
+
 def plot_timelines(results: dict[str, SimResult], path: str, *, title: str,
                    names: tuple[str, ...] = ("elastic", "colocate", "async")) -> None:
     """One panel per policy, one strip per cell, coloured by role over time (hours)."""
@@ -103,5 +128,7 @@ def plot_timelines(results: dict[str, SimResult], path: str, *, title: str,
     fig.legend(handles=handles, loc="upper right", ncol=3, fontsize=8)
     fig.suptitle(title, x=0.01, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
-    fig.savefig(path, dpi=110)
+    image = io.BytesIO()
+    fig.savefig(image, dpi=110, format=check_plot_path(path))
     plt.close(fig)
+    write_bytes_atomic(path, image.getvalue())  # whole or not at all, as every file here
