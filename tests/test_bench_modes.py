@@ -49,3 +49,48 @@ def test_bench_modes_refuses_a_mode_it_does_not_know(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "unknown mode 'fastest'" in proc.stderr
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--modes", "elastic", "--async-splits", "99"],
+     "scheduler.async_rollout_cells must be between 1 and 3"),
+    (["--config", "/nonexistent/bench.yaml"], "cannot read config file /nonexistent/bench.yaml"),
+    (["--set", "workload.num_steps=-1"], "workload.num_steps must be > 0"),
+])
+def test_bench_modes_checks_every_mode_before_the_first_runs(tmp_path, extra, message):
+    """A mode whose config is wrong (a split past the cells) is refused before any mode
+    runs, not after the others' half hour; a clear error, no traceback, nothing run."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_modes.py"), "--launcher",
+                           "local", "--out", str(tmp_path / "out"), *extra],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_modes_stopped_by_sigterm_stops_its_run(tmp_path):
+    """SIGTERM to the tool (a timeout, its own job cancelled) stops the run under way,
+    here a local `gyre run` (on Slurm: scancel of the job), and exits 130 with a line
+    that says so; nothing of the run is left running."""
+    import signal
+    import time
+
+    args = [sys.executable, str(ROOT / "tools" / "bench_modes.py"), "--launcher", "local",
+            "--steps", "50", "--modes", "elastic", "--out", str(tmp_path)]
+    for item in QUICK:
+        args += ["--set", item]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    events = tmp_path / "elastic" / "run" / "events.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and '"kind": "step"' not in (
+            events.read_text() if events.exists() else ""):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.5)
+    assert events.exists(), "the run never trained a step"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted; the job under way was cancelled" in err
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout

@@ -41,6 +41,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -53,9 +54,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gyre_slurm.common.fsio import read_jsonl, write_json_atomic  # noqa: E402
+from gyre_slurm.common.fsio import read_jsonl, write_bytes_atomic, write_json_atomic  # noqa: E402
 from gyre_slurm.config.loader import apply_overrides, dump_yaml, from_dict, load_yaml_file, to_dict  # noqa: E402
 from gyre_slurm.config.schema import GyreConfig  # noqa: E402
+from gyre_slurm.errors import UserError  # noqa: E402
 from gyre_slurm.runtime.book import run_id_of  # noqa: E402
 
 BENCH_CLUSTER = {"state_dir": "/tmp/gyre-bench-slurm", "ctld_port": 16827,
@@ -78,7 +80,7 @@ def write_mode_config(base: dict, label: str, out: Path) -> tuple[Path, GyreConf
     data = apply_overrides(base, mode_overrides(label))
     cfg = from_dict(GyreConfig, data)
     path = out / "job.yaml"
-    path.write_text(dump_yaml(cfg))
+    write_bytes_atomic(path, dump_yaml(cfg).encode())
     return path, cfg
 
 
@@ -93,6 +95,14 @@ def run_slurm(cluster, config: Path, run_dir: Path, *, nodes: int, timeout_s: fl
         raise SystemExit(f"sbatch failed: {proc.stderr.strip()}")
     job = proc.stdout.strip().split(";")[0]
     print(f"  job {job}, run dir {run_dir}", flush=True)
+    try:
+        return _wait_for_job(job, env, run_dir, t0=t0, timeout_s=timeout_s)
+    except BaseException:  # interrupted (Ctrl-C, SIGTERM) or failed: the job goes too
+        subprocess.run(["scancel", job], env=env, timeout=30)
+        raise
+
+
+def _wait_for_job(job: str, env: dict, run_dir: Path, *, t0: float, timeout_s: float) -> float:
     state = "UNKNOWN"
     while time.time() - t0 < timeout_s:
         out = subprocess.run(["scontrol", "show", "job", "-o", job], env=env,
@@ -118,10 +128,19 @@ def run_slurm(cluster, config: Path, run_dir: Path, *, nodes: int, timeout_s: fl
 def run_local(config: Path, run_dir: Path, *, timeout_s: float) -> float:
     t0 = time.time()
     with open(run_dir.parent / "gyre-run.out", "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "gyre_slurm", "run", str(config),
-                               "--run-dir", str(run_dir)], cwd=ROOT, stdout=log,
-                              stderr=subprocess.STDOUT, timeout=timeout_s,
-                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        proc = subprocess.Popen([sys.executable, "-m", "gyre_slurm", "run", str(config),
+                                 "--run-dir", str(run_dir)], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        try:
+            proc.wait(timeout=timeout_s)
+        except BaseException:  # a timeout or an interrupt: the run stops as a job would
+            proc.terminate()  # (gyre run on SIGTERM stops its agents and engines)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
     if proc.returncode != 0:
         raise SystemExit(f"gyre run failed ({proc.returncode}); see {run_dir.parent}/gyre-run.out")
     return time.time() - t0
@@ -407,6 +426,10 @@ def plot(results: dict, predicted: dict, run_dirs: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "bench-modes.yaml")
@@ -433,9 +456,18 @@ def main() -> int:
     for label in labels:
         mode_overrides(label)  # refuse an unknown mode before anything runs
     sets = list(args.set) + ([f"workload.num_steps={args.steps}"] if args.steps else [])
-    base = apply_overrides(load_yaml_file(args.config), sets)
-    cfg = from_dict(GyreConfig, base)
+    try:  # every mode's config checked before the first job, not when its turn comes
+        base = apply_overrides(load_yaml_file(args.config), sets)
+        cfg = from_dict(GyreConfig, base)
+        for label in labels:
+            from_dict(GyreConfig, apply_overrides(base, mode_overrides(label)))
+    except UserError as exc:
+        print(f"bench_modes: error: {exc}", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    # SIGTERM (a timeout, a scancel of this tool's own job) unwinds like Ctrl-C: the job
+    # under way is cancelled and a cluster this tool started is taken down.
+    signal.signal(signal.SIGTERM, _interrupted)
 
     cluster, started = None, False
     if args.launcher == "slurm" and not args.reuse:
@@ -522,4 +554,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except KeyboardInterrupt:
+        print("bench_modes: interrupted; the job under way was cancelled", file=sys.stderr)
+        raise SystemExit(130)
