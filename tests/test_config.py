@@ -84,6 +84,39 @@ def test_yaml_file_errors(tmp_path):
         load_config(listy)
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(tmp_path / "missing.yaml")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00cluster: {}\n")
+    with pytest.raises(ConfigError, match="binary.yaml is not UTF-8 text"):
+        load_config(binary)
+
+
+BOMB = "".join(f"{x}: &{x} [{', '.join([f'*{p}'] * 9) if p else ', '.join(['1'] * 9)}]\n"
+               for p, x in zip([None, *"abcdefgh"], "abcdefghi"))
+
+
+def test_a_yaml_bomb_is_refused_not_expanded(tmp_path):
+    """400 bytes of aliases of aliases are 387 million values once walked: refused at
+    load (file or --set value), in well under the time one walk would take; an anchor
+    that only saves repeating a section still loads."""
+    import time
+
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(BOMB)
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="more than 100,000 values once its YAML aliases"):
+        load_config(bomb)
+    with pytest.raises(ConfigError, match="--set"):
+        load_config(None, ["workload.phases=" + "[&a [1,1,1,1,1,1,1,1,1,1], " + ", ".join(
+            ["&b%d [%s]" % (i, ", ".join(["*a" if i == 0 else "*b%d" % (i - 1)] * 10))
+             for i in range(6)]) + "]"])
+    assert time.monotonic() - start < 10
+    shared = tmp_path / "anchors.yaml"
+    shared.write_text("handoff: &costs {engine_release_s: 5.0}\nworkload: {num_steps: 3}\n"
+                      "x-unused: *costs\n")
+    with pytest.raises(ConfigError, match="unknown key 'x-unused'"):  # loaded, then checked
+        load_config(shared)
+    shared.write_text("cluster: &c {num_nodes: 4}\nworkload: {num_steps: 3}\n")
+    assert load_config(shared).cluster.num_nodes == 4
 
 
 @pytest.mark.parametrize("name", ["terminalbench-122b", "deepswe-122b", "nl2repo-122b",

@@ -98,6 +98,31 @@ def test_env_protocol_task_ids_and_errors():
         "a": True, "b": False, "c": False}
 
 
+def test_a_malformed_task_file_is_a_clear_error(tmp_path):
+    """A task folder is user content: a YAML bomb, bytes that are not UTF-8 or broken JSON
+    are a UserError naming the file, never a hang or a traceback."""
+    from gyre_slurm.envs.shell import load_task
+
+    bomb = tmp_path / "bomb"
+    bomb.mkdir()
+    (bomb / "task.yaml").write_text(
+        "instruction: x\ntest_command: y\n" + "".join(
+            f"{x}: &{x} [{', '.join([f'*{p}'] * 9) if p else ', '.join(['1'] * 9)}]\n"
+            for p, x in zip([None, *"abcdefgh"], "abcdefghi")) + "tests: *i\n")
+    with pytest.raises(UserError, match="bomb/task.yaml holds more than"):
+        load_task(bomb)
+    binary = tmp_path / "binary"
+    binary.mkdir()
+    (binary / "task.yaml").write_bytes(b"instruction: \xff\n")
+    with pytest.raises(UserError, match="binary/task.yaml is not UTF-8"):
+        load_task(binary)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "task.json").write_text('{"instruction": "x",')
+    with pytest.raises(UserError, match="broken/task.json is not valid JSON"):
+        load_task(broken)
+
+
 @pytest.mark.parametrize("command, params, limit", [
     ("sleep 600", {"time_s": 1.0}, "time"),
     ("python3 -c 'x = bytearray(2 * 10**9)'", {"memory_mb": 256}, "memory"),

@@ -26,7 +26,8 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import yaml
 
-from gyre_slurm.errors import ConfigError
+from gyre_slurm.common.yamltext import load_yaml, read_text
+from gyre_slurm.errors import ConfigError, UserError
 
 T = TypeVar("T")
 
@@ -56,13 +57,11 @@ _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 def load_yaml_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
-        text = path.read_text()
+        data = load_yaml(read_text(path, what=str(path)), what=str(path))
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    except UserError as exc:  # not UTF-8, not YAML, or a YAML bomb
+        raise ConfigError(str(exc)) from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -87,9 +86,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 raise ConfigError(f"--set {item!r}: {part!r} is a value, not a section")
             node = child
         try:
-            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"--set {item!r}: value is not valid YAML: {exc}") from exc
+            node[parts[-1]] = load_yaml(raw, what=f"--set {item!r}: the value") \
+                if raw.strip() else ""
+        except UserError as exc:
+            raise ConfigError(str(exc)) from exc
     return out
 
 

@@ -64,8 +64,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from gyre_slurm.common.yamltext import load_yaml, read_text
 from gyre_slurm.envs.base import StepResult, register_env
 from gyre_slurm.envs.sandbox import (
     ISOLATIONS, Limits, Sandbox, default_sandbox_uid, ensure_bwrap)
@@ -110,9 +109,12 @@ def load_task(root: Path) -> ShellTask:
     """The task in folder `root` (task.yaml or task.json); `UserError` when malformed."""
     yml, jsn = root / "task.yaml", root / "task.json"
     if yml.is_file():
-        data = yaml.safe_load(yml.read_text())
+        data = load_yaml(read_text(yml, what=f"shell task {yml}"), what=f"shell task {yml}")
     elif jsn.is_file():
-        data = json.loads(jsn.read_text())
+        try:
+            data = json.loads(read_text(jsn, what=f"shell task {jsn}"))
+        except ValueError as exc:
+            raise UserError(f"shell task {jsn} is not valid JSON: {exc}") from exc
     else:
         raise UserError(f"shell task {root}: no task.yaml or task.json")
     keys = {"instruction", "test_command", "tests"}

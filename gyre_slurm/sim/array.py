@@ -17,8 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from gyre_slurm.common.yamltext import load_yaml
 from gyre_slurm.errors import UserError
 from gyre_slurm.slurm.submit import slurm_executor
 
@@ -33,7 +32,8 @@ def slurm_parameters(args: list[str]) -> dict[str, Any]:
         key, sep, value = arg.partition("=")
         if not sep or not key.strip():
             raise UserError(f"--slurm-arg {arg!r}: expected KEY=VALUE, e.g. partition=cpu")
-        params[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+        params[key.strip()] = load_yaml(value, what=f"--slurm-arg {arg!r}") \
+            if value.strip() else ""
     return params
 
 

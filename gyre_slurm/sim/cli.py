@@ -17,11 +17,11 @@ import sys
 import typing
 from pathlib import Path
 
-import yaml
 
 from gyre_slurm.config.cli import add_set_argument
 from gyre_slurm.config.presets import preset_names, preset_path
 from gyre_slurm.config.schema import GyreConfig, load_config
+from gyre_slurm.common.yamltext import load_yaml
 from gyre_slurm.errors import UserError
 from gyre_slurm.sim.report import check_plot_path, plot_timelines, print_table, to_json
 from gyre_slurm.sim.runner import compare
@@ -122,5 +122,5 @@ def sweep_point(path: Path, *, name: str, key: str, value: str, overrides: list[
     cfg = load_config(path, list(overrides) + [f"{key}={value}"])
     comparison = compare(cfg, ablations=ablations, base_dir=Path(path).parent)
     summary = to_json(name=f"{name} {key}={value}", comparison=comparison)
-    summary["value"] = yaml.safe_load(value)
+    summary["value"] = load_yaml(value, what=f"--sweep {key}={value}")
     return summary

@@ -1,0 +1,54 @@
+"""YAML from users (config files, `--set` values, task files), loaded safely.
+
+`yaml.safe_load` builds no objects but plain data; what it does not stop is a document
+that is small as text and huge as data: anchors and aliases (`&a`, `*a`) share one
+list many times over, nine levels of nine aliases make 387 million values from 400 bytes,
+and whatever walks the result (a schema check, a dump) then runs for ever. `load_yaml`
+counts the values as the data would be walked, aliases expanded, and refuses past
+MAX_VALUES; an ordinary anchor that saves repeating a section passes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from gyre_slurm.errors import UserError
+
+MAX_VALUES = 100_000  # a whole config is a few hundred; a task file's tests, a few hundred
+
+
+def load_yaml(text: str, *, what: str) -> Any:
+    """The data of `text`; a UserError naming `what` if it is not YAML or too large."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise UserError(f"{what} is not valid YAML: {exc}") from exc
+    check_size(data, what=what)
+    return data
+
+
+def check_size(data: Any, *, what: str) -> None:
+    seen, stack = 0, [data]
+    while stack:
+        node = stack.pop()
+        seen += 1
+        if seen > MAX_VALUES:
+            raise UserError(f"{what} holds more than {MAX_VALUES:,} values once its YAML "
+                            f"aliases (*name) are expanded; write the data out, or fewer "
+                            f"aliases of aliases")
+        if isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+
+
+def read_text(path, *, what: str) -> str:
+    """A text file's content as UTF-8; a UserError naming `what` if it is not."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{what} is not UTF-8 text (byte {exc.start}: "
+                        f"{exc.object[exc.start:exc.start + 1]!r})") from exc
