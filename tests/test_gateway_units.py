@@ -353,3 +353,9 @@ def test_tool_call_key_compares_arguments_as_json():
     assert a == b != c
     assert tools.canonical_arguments("not json") == "not json"
     assert tools.canonical_arguments("[" * 100_000) == "[" * 100_000
+    # nested past Python's recursion limit: the text as it came, not an exception (a
+    # client's tool call arguments rendered into the prompt; the model's own output)
+    deep = "[" * 100_000 + "]" * 100_000
+    assert deep in tools.call_block("f", deep)
+    assert tools.parse_tool_calls(f"<tool_call>\n{{\"name\": \"f\", \"arguments\": {deep}}}\n"
+                                  f"</tool_call>")[1] == []

@@ -105,7 +105,7 @@ def system_block(spec: ToolSpec) -> str:
 def call_block(name: str, arguments: str) -> str:
     try:
         args: Any = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # a client's text, nested as deep as it likes
         args = arguments
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": args},
                                         ensure_ascii=False) + "\n</tool_call>"
@@ -160,7 +160,7 @@ def render_messages(messages: Sequence[dict[str, Any]], spec: ToolSpec,
 def _one_call(inner: str) -> dict[str, str] | None:
     try:
         obj = json.loads(inner)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
