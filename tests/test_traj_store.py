@@ -246,3 +246,16 @@ def test_torn_last_jsonl_line_leaves_its_run_out():
     (err,) = loaded.errors
     assert (err.run_id, err.call, err.where) == ("q17-r3", 1, "line 3")
     assert err.reason.startswith("not JSON")
+
+
+def test_a_line_nested_too_deep_to_decode_leaves_its_run_out():
+    """JSON nested past Python's recursion limit is no record of ours: its run is left
+    out with the reason, the other runs load (it was a RecursionError out of the reader)."""
+    calls = [json.dumps(c.to_json()) for c in _grow(2, run_id="q17-r3")]
+    other = json.dumps(mk_call(0, S, [2001], run_id="other").to_json())
+    deep = calls[1][:-1] + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    loaded = collect_calls([calls[0], other, deep], file="calls.jsonl")
+    assert list(loaded.runs) == ["other"]
+    (err,) = loaded.errors
+    assert (err.run_id, err.where) == ("q17-r3", "line 3")
+    assert "nested too deep" in err.reason

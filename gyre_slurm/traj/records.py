@@ -260,6 +260,10 @@ def iter_json_lines(lines: Iterable[str]) -> Iterator[tuple[int, Any]]:
             run_id, call = _peek(line)
             yield num, BadRecord(f"not JSON: {exc.msg} at column {exc.colno}",
                                  run_id=run_id, call=call)
+        except RecursionError:  # nested deeper than Python decodes: no record of ours
+            run_id, call = _peek(line)
+            yield num, BadRecord("not a record: JSON nested too deep to decode",
+                                 run_id=run_id, call=call)
 
 
 T = TypeVar("T")
