@@ -208,6 +208,24 @@ def test_a_garbled_status_json_never_crashes_the_monitor(run_copy, gyre):
     assert "Traceback" not in once.stderr + js.stderr
 
 
+def test_json_nested_too_deep_is_a_corrupt_line_or_a_garbled_status(run_copy, gyre):
+    """A line (or status.json) nested past what Python decodes is garbled data like any
+    other, skipped or reported: before, the RecursionError escaped every reader (resume,
+    the monitor, gyre report)."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+    runs = run_copy / "runs" / "runs.jsonl"
+    good = list(read_jsonl(runs))
+    with open(runs, "ab") as f:
+        f.write(deep + b"\n")
+    append_jsonl(runs, {"run_id": "after"})
+    bad = []
+    assert list(read_jsonl(runs, on_bad=bad.append)) == good + [{"run_id": "after"}]
+    assert len(bad) == 1 and "recursion" in bad[0].reason
+    (run_copy / "status.json").write_bytes(deep)
+    js = gyre("status", str(run_copy), "--json", check=False)
+    assert js.returncode == 2 and "garbled" in js.stderr and "Traceback" not in js.stderr
+
+
 def _truncate(path: Path) -> None:
     os.truncate(path, path.stat().st_size // 2)
 

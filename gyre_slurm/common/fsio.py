@@ -124,7 +124,7 @@ def parse_jsonl(data: bytes, *, path: str, start_line: int = 1, start_offset: in
         try:
             obj = json.loads(raw)
             reason = None if isinstance(obj, dict) else f"not a JSON object: {raw[:60]!r}"
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
             obj, reason = None, f"corrupt line ({exc}): {raw[:60]!r}"
         if reason is None:
             yield obj

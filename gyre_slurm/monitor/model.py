@@ -91,7 +91,7 @@ def read_status_checked(run_dir: Path) -> tuple[dict | None, str | None]:
         return None, f"{path}: unreadable ({exc})"
     try:
         data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         return None, f"{path}: garbled ({len(raw)} bytes): {exc}"
     if not isinstance(data, dict):
         return None, f"{path}: not a JSON object ({type(data).__name__})"
