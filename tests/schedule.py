@@ -15,10 +15,7 @@ This plugin decides the units and their order (`tests/conftest.py` imports its h
   in xdist's order, by number of tests, which says little here (one `gyre run` outlasts a
   hundred unit tests).
 - With GYRE_TEST_HEAVY_WORKERS=H, the workers past the first H take light units only, and
-  the first H take the slow ones first. A light unit has no test marked slow, except
-  those also marked `inprocess`: slow, but they only compute in the test's own process
-  (the simulator's property tests), so they take no engine's memory and time out on
-  nothing. The slow tests are mostly waiting on the processes
+  the first H take the slow ones first. The slow tests are mostly waiting on the processes
   they start (a whole suite used 142% of 2 cores on 2 workers): a third worker that runs
   the unit tests beside them fills the idle core without a third engine or cluster
   competing for memory and CPU (3 workers taking any unit thrashed here). The light
@@ -99,10 +96,7 @@ def _split_file(items: list[pytest.Item]) -> list[list[pytest.Item]]:
 
 
 def _slow(item: pytest.Item) -> bool:
-    """Slow and for a heavy worker: marked slow and not `inprocess` (a slow test that
-    starts no process, engine, world or cluster, only computes: a light worker takes it)."""
-    return (item.get_closest_marker("slow") is not None
-            and item.get_closest_marker("inprocess") is None)
+    return item.get_closest_marker("slow") is not None
 
 
 def plan(items: list[pytest.Item], durations: dict[str, float]) -> list[tuple[str, list, bool]]:

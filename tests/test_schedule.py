@@ -52,8 +52,7 @@ def run_packed(tmp_path: Path, files: dict[str, str], durations: dict[str, float
     source), `durations` recorded: its output and the lines the tests logged."""
     for name, text in files.items():
         (tmp_path / name).write_text(text)
-    (tmp_path / "pytest.ini").write_text(
-        "[pytest]\nmarkers =\n    slow: slow\n    inprocess: slow, starts no process\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n")
     (tmp_path / "durations.json").write_text(json.dumps(durations))
     log = tmp_path / "log"
     env = dict(os.environ, PYTHONPATH=str(TESTS), LOG=str(log), GYRE_TEST_PACK="1",
@@ -101,13 +100,6 @@ def test_l1():
 def test_s2():
     log("mixed::s2"); time.sleep(1.0)
 '''
-COMPUTE = LOG + '''
-pytestmark = pytest.mark.inprocess
-
-@pytest.mark.slow
-def test_p():
-    log("compute::p")
-'''
 UNIT = LOG + '''
 def test_u():
     log("unit::u", os.nice(0))
@@ -116,21 +108,17 @@ def test_u():
 
 def test_a_light_worker_runs_only_the_tests_not_marked_slow(tmp_path):
     """Three workers, GYRE_TEST_HEAVY_WORKERS=2: the slow tests run on gw0/gw1 only, the
-    third worker takes the others (a file's unmarked tests apart from its slow ones, and
-    the slow tests marked `inprocess`), and the run ends (the light worker stops once no
-    light unit is left). The light worker runs niced, on the core the slow tests leave
-    idle."""
+    third worker takes the others (a file's unmarked tests apart from its slow ones), and
+    the run ends (the light worker stops once no light unit is left). The light worker runs
+    niced, on the core the slow tests leave idle."""
     durations = {"test_mixed.py::test_s1": 200, "test_mixed.py::test_s2": 100,
-                 "test_mixed.py::test_l1": 1, "test_unit.py::test_u": 1,
-                 "test_compute.py::test_p": 120}
-    out, rows = run_packed(tmp_path, {"test_unit.py": UNIT, "test_mixed.py": MIXED,
-                                      "test_compute.py": COMPUTE},
+                 "test_mixed.py::test_l1": 1, "test_unit.py::test_u": 1}
+    out, rows = run_packed(tmp_path, {"test_unit.py": UNIT, "test_mixed.py": MIXED},
                            durations, workers=3, heavy=2)
-    assert "5 passed" in out, out
+    assert "4 passed" in out, out
     worker = {name: w for name, w, _ in rows}
     nice = {name: int(v) for name, _, v in rows if name == "unit::u"}
     assert nice["unit::u"] >= os.nice(0) + LIGHT_NICE or nice["unit::u"] == 19
     assert worker["mixed::s1"] in ("gw0", "gw1") and worker["mixed::s2"] in ("gw0", "gw1")
     assert worker["mixed::s1"] != worker["mixed::s2"]  # split: 300 s > SPLIT_OVER_S
-    assert worker["compute::p"] == "gw2"  # slow, but in process: the light worker's
     assert worker["mixed::l1"] == worker["unit::u"] == "gw2"

@@ -27,9 +27,6 @@ from gyre_slurm.sim.workload import sample_workload
 # further; 150 examples were checked when the policy landed).
 EXAMPLES = int(os.environ.get("GYRE_POLICY_EXAMPLES", "40"))
 
-# Slow, but they only simulate, in this process: tools/test's light worker may run them.
-pytestmark = pytest.mark.inprocess
-
 
 @st.composite
 def workloads(draw):
