@@ -10,6 +10,7 @@ MAX_VALUES; an ordinary anchor that saves repeating a section passes.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -45,7 +46,7 @@ def check_size(data: Any, *, what: str) -> None:
             stack.extend(node)
 
 
-def read_text(path, *, what: str) -> str:
+def read_text(path: Path, *, what: str) -> str:
     """A text file's content as UTF-8; a UserError naming `what` if it is not."""
     try:
         return path.read_bytes().decode("utf-8")

@@ -132,9 +132,9 @@ def _check_growth(i: int, p: PhaseConfig, *, steps_into: int) -> None:
         if abs(log_factor) > math.log(MAX_FACTOR):
             raise FieldError("phases", (
                 f"[{i}]: {what} reach x{math.exp(min(log_factor, 700.0)):.3g} the "
-                f"workload's by the phase's last step, {p.from_step + steps_into} ({names}); a phase may "
-                f"scale them between x{1 / MAX_FACTOR:g} and x{MAX_FACTOR:g}: lower the "
-                f"growth or end the phase sooner"))
+                f"workload's by the phase's last step, {p.from_step + steps_into} "
+                f"({names}); a phase may scale them between x{1 / MAX_FACTOR:g} and "
+                f"x{MAX_FACTOR:g}: lower the growth or end the phase sooner"))
 
 
 def shape_at(phases: Sequence[PhaseConfig], step: int, *, base_turns: int) -> StepShape:
