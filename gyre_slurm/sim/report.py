@@ -128,7 +128,7 @@ def plot_timelines(results: dict[str, SimResult], path: str, *, title: str,
     fig.legend(handles=handles, loc="upper right", ncol=3, fontsize=8)
     fig.suptitle(title, x=0.01, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
-    image = io.BytesIO()
-    fig.savefig(image, dpi=110, format=check_plot_path(path))
+    image = io.BytesIO()  # the format the suffix names (`check_plot_path`, done up front)
+    fig.savefig(image, dpi=110, format=Path(path).suffix.lstrip(".").lower())
     plt.close(fig)
     write_bytes_atomic(path, image.getvalue())  # whole or not at all, as every file here
