@@ -76,9 +76,13 @@ def mode_overrides(label: str) -> list[str]:
                      "(R rollout cells)")
 
 
+def mode_config(base: dict, label: str) -> GyreConfig:
+    """The job config of one mode: the base config with the mode's overrides, checked."""
+    return from_dict(GyreConfig, apply_overrides(base, mode_overrides(label)))
+
+
 def write_mode_config(base: dict, label: str, out: Path) -> tuple[Path, GyreConfig]:
-    data = apply_overrides(base, mode_overrides(label))
-    cfg = from_dict(GyreConfig, data)
+    cfg = mode_config(base, label)
     path = out / "job.yaml"
     write_bytes_atomic(path, dump_yaml(cfg).encode())
     return path, cfg
@@ -115,8 +119,7 @@ def _wait_for_job(job: str, env: dict, run_dir: Path, *, t0: float, timeout_s: f
             raise SystemExit(f"job {job} is gone from the cluster (was it restarted?); "
                              f"see {run_dir.parent}")
         time.sleep(0.5)
-    else:
-        subprocess.run(["scancel", job], env=env, timeout=30)
+    else:  # run_slurm cancels the job on the way out
         raise SystemExit(f"job {job} not done after {timeout_s:.0f}s; cancelled")
     wall = time.time() - t0
     if state != "COMPLETED":
@@ -323,7 +326,7 @@ def predict(base: dict, label: str, costs: dict, replay: dict) -> dict:
     cfg = sim_config(base, label, costs)
     # The policy is told the config's handoff prior, as in the real run; the simulation
     # charges the measured costs.
-    prior = from_dict(GyreConfig, apply_overrides(base, mode_overrides(label))).handoff
+    prior = mode_config(base, label).handoff
 
     def run(workload):
         return Simulator(cfg, sim_policy(cfg, label), workload, policy_handoff=prior).run()
@@ -460,7 +463,7 @@ def main() -> int:
         base = apply_overrides(load_yaml_file(args.config), sets)
         cfg = from_dict(GyreConfig, base)
         for label in labels:
-            from_dict(GyreConfig, apply_overrides(base, mode_overrides(label)))
+            mode_config(base, label)
     except UserError as exc:
         print(f"bench_modes: error: {exc}", file=sys.stderr)
         return 2
