@@ -53,3 +53,8 @@ def read_text(path: Path, *, what: str) -> str:
     except UnicodeDecodeError as exc:
         raise UserError(f"{what} is not UTF-8 text (byte {exc.start}: "
                         f"{exc.object[exc.start:exc.start + 1]!r})") from exc
+
+
+def read_yaml(path: Path, *, what: str) -> Any:
+    """`load_yaml` of a file's UTF-8 text, errors naming `what`."""
+    return load_yaml(read_text(path, what=what), what=what)

@@ -26,7 +26,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import yaml
 
-from gyre_slurm.common.yamltext import load_yaml, read_text
+from gyre_slurm.common.yamltext import load_yaml, read_yaml
 from gyre_slurm.errors import ConfigError, UserError
 
 T = TypeVar("T")
@@ -57,7 +57,7 @@ _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 def load_yaml_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
-        data = load_yaml(read_text(path, what=str(path)), what=str(path))
+        data = read_yaml(path, what=str(path))
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
     except UserError as exc:  # not UTF-8, not YAML, or a YAML bomb

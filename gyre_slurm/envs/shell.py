@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gyre_slurm.common.yamltext import load_yaml, read_text
+from gyre_slurm.common.yamltext import read_text, read_yaml
 from gyre_slurm.envs.base import StepResult, register_env
 from gyre_slurm.envs.sandbox import (
     ISOLATIONS, Limits, Sandbox, default_sandbox_uid, ensure_bwrap)
@@ -109,7 +109,7 @@ def load_task(root: Path) -> ShellTask:
     """The task in folder `root` (task.yaml or task.json); `UserError` when malformed."""
     yml, jsn = root / "task.yaml", root / "task.json"
     if yml.is_file():
-        data = load_yaml(read_text(yml, what=f"shell task {yml}"), what=f"shell task {yml}")
+        data = read_yaml(yml, what=f"shell task {yml}")
     elif jsn.is_file():
         try:
             data = json.loads(read_text(jsn, what=f"shell task {jsn}"))

@@ -17,11 +17,10 @@ import sys
 import typing
 from pathlib import Path
 
-
+from gyre_slurm.common.yamltext import load_yaml
 from gyre_slurm.config.cli import add_set_argument
 from gyre_slurm.config.presets import preset_names, preset_path
 from gyre_slurm.config.schema import GyreConfig, load_config
-from gyre_slurm.common.yamltext import load_yaml
 from gyre_slurm.errors import UserError
 from gyre_slurm.sim.report import check_plot_path, plot_timelines, print_table, to_json
 from gyre_slurm.sim.runner import compare
