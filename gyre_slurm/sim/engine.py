@@ -21,8 +21,7 @@ from gyre_slurm.sched.cells import Cell, CellTable, Role
 from gyre_slurm.sched.ledger import WorkLedger
 from gyre_slurm.sched.observe import RunsNow, build_observation, min_train_cells
 from gyre_slurm.sched.types import Decision, Observation, Policy
-from gyre_slurm.sim.limits import (MAX_TICKS, TooLargeToSimulate, check_costs, check_size,
-                                   check_ticks, time_limit_s)
+from gyre_slurm.sim.limits import MAX_TICKS, TooLargeToSimulate, check_job, time_limit_s
 from gyre_slurm.sim.rollout import RUNNING, RolloutCells
 from gyre_slurm.sim.training import Microbatch, train_throughput
 from gyre_slurm.sim.workload import Workload, computed_per_tree_token
@@ -82,13 +81,7 @@ class Simulator:
         self.policy_handoff = policy_handoff or cfg.handoff
         self.cap = cfg.cell_capacity
         num_cells = cfg.cluster.num_cells
-        check_size(cfg)  # a workload may come from elsewhere than sample_workload
-        check_ticks(cfg, least_makespan_s=max(
-            float(workload.work_s.sum()) / (self.cap * num_cells),
-            float(workload.tokens.sum()) / train_throughput(cfg.training,
-                                                            cfg.cluster.num_nodes)
-            + workload.num_steps * cfg.training.optimizer_step_s))
-        check_costs(cfg)
+        check_job(cfg, workload)  # a workload may come from elsewhere than sample_workload
         self.time_limit_s = time_limit_s(cfg)  # what no estimate foresaw (handoff costs)
         layout = policy.initial_layout(num_cells)
         nodes = [f"node{i + 1}" for i in range(cfg.cluster.num_nodes)]

@@ -18,9 +18,14 @@ runs at most) and the property tests' jobs.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from gyre_slurm.config.schema import GyreConfig
 from gyre_slurm.errors import UserError
+from gyre_slurm.sim.training import train_throughput
+
+if TYPE_CHECKING:  # sim.workload imports this module (check_size)
+    from gyre_slurm.sim.workload import Workload
 
 MAX_RUNS = 2_000_000
 MAX_CELLS = 1024
@@ -45,6 +50,17 @@ def check_size(cfg: GyreConfig) -> None:
             f"the cluster has {cfg.cluster.num_cells:,} cells (cluster.num_nodes "
             f"{cfg.cluster.num_nodes:,} / cell_nodes {cfg.cluster.cell_nodes}); the "
             f"simulator takes at most {MAX_CELLS:,}: use larger cells or a smaller cluster")
+
+
+def check_job(cfg: GyreConfig, workload: Workload) -> None:
+    """Everything up front, for a workload however it was made: runs and cells, the
+    least makespan's ticks, the single costs."""
+    check_size(cfg)
+    check_ticks(cfg, least_makespan_s=max(
+        float(workload.work_s.sum()) / (cfg.cell_capacity * cfg.cluster.num_cells),
+        float(workload.tokens.sum()) / train_throughput(cfg.training, cfg.cluster.num_nodes)
+        + workload.num_steps * cfg.training.optimizer_step_s))
+    check_costs(cfg)
 
 
 def check_costs(cfg: GyreConfig) -> None:
