@@ -75,8 +75,8 @@ def test_env_params_of_a_step_scale_the_tool_time_where_the_env_takes_it():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("[{from_step: 3}, {from_step: 2}]", "does not follow"),
-    ("[{from_step: 6}]", "past the last step"),
+    ("[{from_step: 3}, {from_step: 2}]", r"workload\.phases\[1\]\.from_step = 2 does not follow"),
+    ("[{from_step: 6}]", r"workload\.phases\[0\]\.from_step = 6 is past the last step"),
     ("[{from_step: 0, duration_scale: 0}]", "duration_scale must be > 0"),
     ("[{from_step: 0, growth_per_step: -1}]", "must be > -1"),
     ("[{from_step: 0, turns: 0}]", "turns must be >= 1"),

@@ -49,8 +49,14 @@ class FieldError(ValueError):
     section (loading prefixes the section's path)."""
 
     def __init__(self, key: str, message: str):
-        super().__init__(f"{key} {message}")
+        super().__init__(f"{key}{_sep(message)}{message}")
         self.key, self.message = key, message
+
+
+def _sep(message: str) -> str:
+    """A message that goes on with the key (`[2].from_step = ...`, `: ...`) follows it
+    without a space: `workload.phases[2].from_step`, as every other key is written."""
+    return "" if message[:1] in "[.:" else " "
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -113,7 +119,7 @@ def from_dict(cls: type[T], data: Any, *, path: str = "") -> T:
     except ConfigError:
         raise
     except FieldError as exc:
-        raise ConfigError(f"{_join(path, exc.key)} {exc.message}") from exc
+        raise ConfigError(f"{_join(path, exc.key)}{_sep(exc.message)}{exc.message}") from exc
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{path or '<top>'}: {exc}") from exc
 
