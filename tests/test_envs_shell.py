@@ -159,7 +159,9 @@ writes = [f"echo x > /etc/{tag}", f"touch /tmp/../root/{tag}", f"echo x > {host_
           f"echo x > {host_dir}/../{tag}", f"ln -s /etc {tag}-link && echo x > {tag}-link/{tag}"]
 
 async def main():
-    env = make_env("shell", max_steps=20)
+    # `find /` walks the whole host as the sandbox sees it: under a whole suite's load on a
+    # cold cache it once took over the default 30 s a command (the limit ended the episode)
+    env = make_env("shell", max_steps=20, time_s=300)
     await env.reset(task_id="shell/fix-off-by-one/0", seed=0)
     step = lambda c: env.step(f"```bash\n{c}\n```")
     out = {"tasks_dir": str(TASKS_DIR), "writes": []}
@@ -167,7 +169,9 @@ async def main():
         res = await step(c)
         out["writes"].append([c, res.info["exit_code"], res.observation])
     await step(f"echo x > $HOME/../{tag}")  # a private tmpfs: nothing reaches the host
-    out["find"] = (await step(find)).observation
+    found = await step(find)
+    assert not found.done, found.observation  # a limit would end the episode here
+    out["find"] = found.observation
     await step((TASKS_DIR / "fix-off-by-one" / "solution.sh").read_text())
     out["reward"] = (await step("submit")).reward
     await env.close()
@@ -205,7 +209,7 @@ def test_the_sandbox_hides_the_tasks_and_keeps_the_host_read_only_wherever_it_ru
     tag = f"gyre-test-{os.getpid()}"
     proc = subprocess.run([sys.executable, "-c", SANDBOX_CHECK, str(probe), tag], cwd=root,
                           env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.splitlines()[-1])
     assert Path(out["tasks_dir"]).is_relative_to(root), out["tasks_dir"]
