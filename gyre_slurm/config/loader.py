@@ -57,6 +57,8 @@ def _sep(message: str) -> str:
     """A message that goes on with the key (`[2].from_step = ...`, `: ...`) follows it
     without a space: `workload.phases[2].from_step`, as every other key is written."""
     return "" if message[:1] in "[.:" else " "
+
+
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
