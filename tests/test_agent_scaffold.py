@@ -226,12 +226,13 @@ def test_the_task_sandbox_holds_through_the_scaffold_path(engine, tmp_path):
                 f"{srv.getsockname()[1]}), timeout=3)' 2>&1 | tail -1",
                 "python3 -c 'import socket, glob; s = socket.socket(socket.AF_UNIX); "
                 "print(glob.glob(\"/tmp/gyre-gw-*\"))' 2>&1 | tail -1",
-                "sleep 30", f"(exec -a {marker} sleep 300) & echo started"]
+                "sleep 120", f"(exec -a {marker} sleep 300) & echo started"]
     spec = probe_spec(tmp_path, env_vars={"PROBE_COMMANDS": json.dumps(commands)})
     # each command's wall-time limit: long enough for `find /` on a loaded machine (2 s
-    # was not, in a CI run), short against `sleep 30`
+    # was not, in a CI run; nor was 10 s on a new machine's cold cache), short against
+    # `sleep 120`
     record, probe, _, _ = scaffold_run(engine, tmp_path / "run", spec,
-                                       env_params={"time_s": 10.0})
+                                       env_params={"time_s": 30.0})
     srv.close()
     writes, find, tcp, unix, slow, bg = (probe["commands"][:3], *probe["commands"][3:])
     for w in writes:
