@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gyre_slurm.common.fsio import loads_json
+
 KILL_GRACE_S = 5.0
 MINI_BASE_CONFIG = "mini_textbased.yaml"
 
@@ -236,7 +238,7 @@ def mini_swe_agent_command(*, python: str | os.PathLike, task: str, workdir: str
 
 def mini_swe_agent_summary(output_path: str | os.PathLike) -> dict[str, Any]:
     """{"exit_status", "api_calls", "roles"} from mini-swe-agent's trajectory file."""
-    data = json.loads(Path(output_path).read_text())
+    data = loads_json(Path(output_path).read_text())
     info = data.get("info", {})
     return {"exit_status": info.get("exit_status", ""),
             "api_calls": info.get("model_stats", {}).get("api_calls", 0),

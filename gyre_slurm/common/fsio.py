@@ -6,6 +6,10 @@ the target keeps its old content. `append_jsonl`: one line per event, written wi
 single `write` on an O_APPEND descriptor; a line that would follow a torn one (a crash
 cut the previous writer mid-line) starts on a new line, so it stays whole.
 
+`loads_json` is `json.loads` for anything read from outside the process (files on the
+shared filesystem, a model directory, a server's reply): too deep a nesting is a
+ValueError (`JSONTooDeep`), not a RecursionError that escapes every handler.
+
 Reading (`read_jsonl`): whole lines only. A torn LAST line (no newline: a writer died
 mid-write) is the normal crash case and is skipped quietly (debug log). A bad line with
 a newline after it is corruption: it is skipped, never used, and reported loudly (a
@@ -39,6 +43,22 @@ DISK_FULL_TEXTS = ("No space left on device", "Disk quota exceeded", "File too l
 
 
 # -- writing -------------------------------------------------------------------------
+class JSONTooDeep(ValueError):
+    """JSON nested deeper than Python's decoder recurses: bad input like any other."""
+
+
+def loads_json(data: str | bytes | bytearray) -> Any:
+    """`json.loads`, where JSON nested too deeply to decode (a few thousand brackets) is a
+    ValueError like any other bad JSON: Python's decoder raises RecursionError for it,
+    which no reader's `except ValueError` caught (a hostile file or response crashed the
+    reader instead of being reported as bad)."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise JSONTooDeep("JSON nested too deeply to decode (thousands of levels of "
+                          "brackets): not a file or message of ours") from None
+
+
 def write_all(fd: int, data: bytes | memoryview) -> int:
     """Write every byte (a short write is continued; its failure raises)."""
     view, done = memoryview(data), 0

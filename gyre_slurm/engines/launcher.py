@@ -10,7 +10,6 @@ through `asyncio.to_thread` from an event loop). The ready file lives beside the
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import secrets
@@ -24,6 +23,7 @@ from typing import Any
 
 import gyre_slurm
 from gyre_slurm.common import fsio
+from gyre_slurm.common.fsio import loads_json
 from gyre_slurm.engines.client import EngineClient, EngineError
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class EngineProcess:
             if cancel is not None and cancel.is_set():
                 raise EngineError(f"engine start cancelled; log {self.log_path}")
             if self.ready_file.exists():
-                self.info = json.loads(self.ready_file.read_text())
+                self.info = loads_json(self.ready_file.read_text())
                 self.port = int(self.info["port"])
                 self.base_url = f"http://{self.host}:{self.port}"
                 return self.base_url

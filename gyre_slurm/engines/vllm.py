@@ -78,6 +78,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gyre_slurm.common.fsio import loads_json
 from gyre_slurm.engines.client import EngineError
 from gyre_slurm.engines.embedded import check_loopback, read_secret
 from gyre_slurm.engines.launcher import PACKAGE_ROOT
@@ -224,7 +225,7 @@ def check_model_dir(model_dir: Path, *, device: str) -> dict[str, Any]:
     config_file = model_dir / "config.json"
     if not config_file.is_file():
         raise UserError(f"{model_dir}: no config.json (a Hugging Face model dir is needed)")
-    config = json.loads(config_file.read_text())
+    config = loads_json(config_file.read_text())
     if device == "cpu":
         heads = int(config.get("num_attention_heads") or 1)
         head_dim = int(config.get("head_dim") or int(config.get("hidden_size", 0)) // heads)
@@ -437,7 +438,7 @@ def _post_sync(base_url: str, path: str, body: Any, secret: str) -> Any:
                                           "Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
-            return json.loads(resp.read() or b"null")
+            return loads_json(resp.read() or b"null")
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise EngineError(f"POST {base_url}{path}: {exc}", base_url=base_url) from exc
 

@@ -4,7 +4,6 @@ log-probability semantics and the security guard: see `gyre_slurm.engines.vllm`)
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 
 import aiohttp
 
+from gyre_slurm.common.fsio import loads_json
 from gyre_slurm.engines.client import EngineClient, EngineError
 from gyre_slurm.models import tiny
 
@@ -53,7 +53,7 @@ class VllmClient(EngineClient):
             raise EngineError(f"{method} {url}: {type(exc).__name__}: {exc}",
                               base_url=self.base_url) from exc
         try:
-            data = json.loads(raw) if raw else None
+            data = loads_json(raw) if raw else None
         except ValueError:
             data = None
         if resp.status != 200:

@@ -55,7 +55,6 @@ nothing a command started is still running after its step returns.
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import re
 import shutil
@@ -64,6 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gyre_slurm.common.fsio import loads_json
 from gyre_slurm.common.yamltext import read_text, read_yaml
 from gyre_slurm.envs.base import StepResult, register_env
 from gyre_slurm.envs.sandbox import (
@@ -112,7 +112,7 @@ def load_task(root: Path) -> ShellTask:
         data = read_yaml(yml, what=f"shell task {yml}")
     elif jsn.is_file():
         try:
-            data = json.loads(read_text(jsn, what=f"shell task {jsn}"))
+            data = loads_json(read_text(jsn, what=f"shell task {jsn}"))
         except ValueError as exc:
             raise UserError(f"shell task {jsn} is not valid JSON: {exc}") from exc
     else:

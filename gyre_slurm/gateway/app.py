@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -43,6 +42,7 @@ from typing import Any
 import jinja2
 from aiohttp import web
 
+from gyre_slurm.common.fsio import loads_json
 from gyre_slurm.common.web import BODY_TIMEOUT_S, IDLE_TIMEOUT_S, BadRequest, read_json_object
 from gyre_slurm.engines.client import EngineClient, EngineError
 from gyre_slurm.engines.embedded import check_loopback
@@ -81,7 +81,7 @@ class Gateway:
         the room left in the model's context, as OpenAI and vLLM do)."""
         self.tokenizer = tiny.load_tokenizer(model_dir)
         self.vocab_size = len(self.tokenizer)
-        config = json.loads((Path(model_dir) / "config.json").read_text())
+        config = loads_json((Path(model_dir) / "config.json").read_text())
         self.max_context = int(config["max_position_embeddings"])  # prompt + output tokens
         self.body_timeout_s, self.idle_timeout_s = body_timeout_s, idle_timeout_s
         stop = {self.tokenizer.convert_tokens_to_ids("<|im_end|>"), self.tokenizer.eos_token_id}

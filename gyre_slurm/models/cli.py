@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from gyre_slurm.common.fsio import loads_json
 from gyre_slurm.errors import UserError
 
 GIB = 1 << 30
@@ -40,9 +41,7 @@ def _shape(path: Path):
 
     try:
         if path.is_file():
-            import json
-
-            return ModelShape.from_config(json.loads(path.read_text()), source=str(path))
+            return ModelShape.from_config(loads_json(path.read_text()), source=str(path))
         return ModelShape.from_model_dir(path)
     except ValueError as exc:
         raise UserError(str(exc)) from None

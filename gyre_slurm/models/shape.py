@@ -18,9 +18,10 @@ key that says so, rather than trained as another model.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from gyre_slurm.common.fsio import loads_json
 
 VOCAB_MULTIPLE = 128
 FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
@@ -69,7 +70,7 @@ class ModelShape:
     def from_model_dir(cls, model_dir: str | Path) -> ModelShape:
         path = Path(model_dir) / "config.json"
         try:
-            cfg = json.loads(path.read_text())
+            cfg = loads_json(path.read_text())
         except FileNotFoundError:
             raise ValueError(f"{model_dir}: no config.json (a Hugging Face model directory "
                              "holds config.json, the tokenizer and safetensors weights)") from None

@@ -17,6 +17,8 @@ import os
 import shutil
 from pathlib import Path
 
+from gyre_slurm.common.fsio import loads_json
+
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -242,7 +244,7 @@ def _verify_file(path: Path) -> Path:
             if n > size - 8:
                 raise CorruptWeights(f"{path}: {size} bytes, truncated at byte offset "
                                      f"{size}, inside its {n}-byte header")
-            header = json.loads(f.read(n))
+            header = loads_json(f.read(n))
     except FileNotFoundError:
         raise CorruptWeights(f"{path} does not exist") from None
     except (ValueError, UnicodeDecodeError) as exc:

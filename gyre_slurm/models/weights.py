@@ -9,9 +9,10 @@ slices of a 30B model reads those tensors, not the checkpoint.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+
+from gyre_slurm.common.fsio import loads_json
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -23,7 +24,7 @@ def weight_files(model_dir: str | Path) -> dict[str, Path]:
     index = model_dir / INDEX
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = loads_json(index.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{index}: not a safetensors index ({exc!r})") from None
         files = {name: model_dir / f for name, f in weight_map.items()}

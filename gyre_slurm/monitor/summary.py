@@ -9,13 +9,12 @@ out); `start_text` and `end_text` read the run dir and format.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
 
-from gyre_slurm.common.fsio import read_jsonl
+from gyre_slurm.common.fsio import loads_json, read_jsonl
 
 REWARD_STEPS = 5  # the reward "at the start" and "at the end": mean of this many steps
 
@@ -61,7 +60,7 @@ def summarize(events: Iterable[dict], runs: Iterable[dict], status: dict) -> dic
 def end_text(run_dir: Path, *, outcome: str, prog: str = "gyre") -> str:
     run_dir = Path(run_dir)
     try:
-        status = json.loads((run_dir / "status.json").read_text())
+        status = loads_json((run_dir / "status.json").read_text())
     except (OSError, ValueError):
         status = {}
     s = summarize(read_jsonl(run_dir / "events.jsonl"),

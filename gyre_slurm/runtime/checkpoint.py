@@ -61,8 +61,8 @@ from gyre_slurm.runtime.book import StepBook, run_id_of
 from gyre_slurm.runtime.rundir import RunDir
 from gyre_slurm.runtime.world import TrainWorld
 from gyre_slurm.common.fsio import (
-    BadLine, DiskFull, drop_torn_tail, free_bytes, fsync_dir, is_disk_full, read_jsonl,
-    write_bytes_atomic, write_json_atomic,
+    BadLine, DiskFull, drop_torn_tail, free_bytes, fsync_dir, is_disk_full, loads_json,
+    read_jsonl, write_bytes_atomic, write_json_atomic,
 )
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ def _explain_save_failure(rd: RunDir, name: str, tmp: Path, exc: Exception,
     needed = None
     if previous is not None:
         try:
-            needed = manifest_bytes(json.loads((rd.checkpoints / previous / MANIFEST)
+            needed = manifest_bytes(loads_json((rd.checkpoints / previous / MANIFEST)
                                                .read_text()))
         except (OSError, ValueError, TypeError, AttributeError):
             pass
@@ -179,7 +179,7 @@ def verify_checkpoint(ckpt: Path, run_dir: Path) -> Verified:
     checksummed = _verify_manifest(ckpt)
     meta_path = ckpt / "coordinator.json"
     try:
-        meta = json.loads(meta_path.read_bytes())
+        meta = loads_json(meta_path.read_bytes())
         version = int(meta["version"])
     except FileNotFoundError:
         raise CheckpointInvalid(f"{meta_path} is missing") from None
@@ -205,7 +205,7 @@ def _verify_manifest(ckpt: Path) -> bool:
     if not path.exists():
         return False
     try:
-        files = json.loads(path.read_bytes())["files"]
+        files = loads_json(path.read_bytes())["files"]
         listed = {name: (int(f["size"]), str(f["sha256"])) for name, f in files.items()}
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
         raise CheckpointInvalid(f"{path} is garbled ({type(exc).__name__}: "

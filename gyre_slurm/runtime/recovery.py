@@ -55,13 +55,13 @@ Rules (each action lands in `events.jsonl`):
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from gyre_slurm.common.fsio import loads_json
 from gyre_slurm.runtime import checkpoint
 from gyre_slurm.runtime.book import Microbatch
 from gyre_slurm.runtime.control import AgentUnreachable, CommandError, ControlClient
@@ -195,7 +195,7 @@ class Recovery:
         version = job.book.version
         path = job.rd.checkpoints / f"step_{version:06d}"
         try:
-            saved = json.loads((path / "coordinator.json").read_text())["version"]
+            saved = loads_json((path / "coordinator.json").read_text())["version"]
         except (OSError, ValueError, KeyError):
             return None
         state = path / self.world.state_name

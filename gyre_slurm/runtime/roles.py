@@ -15,7 +15,6 @@ node agents read it.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import gyre_slurm
-from gyre_slurm.common.fsio import write_json_atomic
+from gyre_slurm.common.fsio import loads_json, write_json_atomic
 from gyre_slurm.errors import UserError
 
 if TYPE_CHECKING:
@@ -74,7 +73,7 @@ def read_roles(run_dir: Path) -> dict:
     if not path.is_file():
         return {r: {"python": sys.executable, "container_image": None}
                 for r in ("rollout", "trainer")}
-    return json.loads(path.read_text())
+    return loads_json(path.read_text())
 
 
 def command_prefix(role: dict, *, run_dir: Path) -> list[str]:

@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gyre_slurm.common.fsio import loads_json
 from gyre_slurm.runtime.control import CommandError, ControlClient
 from gyre_slurm.runtime.job import JobState, ServerId
 from gyre_slurm.runtime.world import TrainWorld
@@ -72,7 +72,7 @@ class SyncBroken(RuntimeError):
 
 def wire_dtype(model_dir: Path) -> str:
     """The dtype the weights travel in: the model's own (config.json)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = loads_json((Path(model_dir) / "config.json").read_text())
     name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
     return name if name in ("float32", "bfloat16", "float16") else "bfloat16"
 

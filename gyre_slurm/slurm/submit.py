@@ -21,7 +21,6 @@ checks, runs, stops, requeues and resumes exactly as a hand-submitted one.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import time
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gyre_slurm.common.fsio import loads_json
 from gyre_slurm.config.presets import resolve
 from gyre_slurm.config.schema import load_config
 from gyre_slurm.errors import UserError
@@ -58,7 +58,7 @@ class SubmittedJob:
     def status(self) -> dict | None:
         """The run's status.json (what `gyre status` shows), or None before it exists."""
         try:
-            return json.loads((self.run_dir / "status.json").read_text())
+            return loads_json((self.run_dir / "status.json").read_text())
         except (OSError, ValueError):
             return None
 

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from gyre_slurm.errors import UserError
-from gyre_slurm.common.fsio import DiskFull, is_disk_full, write_all
+from gyre_slurm.common.fsio import DiskFull, is_disk_full, loads_json, write_all
 from gyre_slurm.traj.delta import CallDelta
 from gyre_slurm.traj.encode import DeltaEncoder
 from gyre_slurm.traj.records import (
@@ -128,7 +128,7 @@ def decode_body(body: bytes | memoryview) -> CallDelta:
         raise ValueError("record lengths do not add up")
     arr = np.frombuffer(body, dtype="<i4", count=num_new + num_out, offset=pos)
     logprobs = np.frombuffer(body, dtype="<f4", count=num_out, offset=pos + 4 * arr.size)
-    extra = json.loads(extra_raw) if extra_raw else {}
+    extra = loads_json(extra_raw) if extra_raw else {}
     return CallDelta(run_id, call, parent, shared, arr[:num_new], arr[num_new:], logprobs,
                      version, t_start, t_end, finish, extra)
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gyre_slurm.common.fsio import loads_json
 from gyre_slurm.models.shape import FAMILIES, VOCAB_MULTIPLE, ModelShape  # noqa: F401
 
 _LAYER = re.compile(r"^(?:model\.layers|decoder\.layers)\.(\d+)\.(.+)$")
@@ -262,8 +263,8 @@ def unpack_pieces(data: bytes) -> tuple[int, dict[str, tuple[torch.Tensor, int |
 
     try:
         n = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8:8 + n])
-        meta = json.loads(header["__metadata__"]["gyre"])
+        header = loads_json(data[8:8 + n])
+        meta = loads_json(header["__metadata__"]["gyre"])
         tensors = load(data)
         pieces = {name: (tensors[name], meta["dims"][name]) for name in meta["dims"]}
         return int(meta["tp_rank"]), pieces
