@@ -119,6 +119,34 @@ def test_a_yaml_bomb_is_refused_not_expanded(tmp_path):
     assert load_config(shared).cluster.num_nodes == 4
 
 
+def test_yaml_nested_too_deeply_is_a_config_error_not_a_crash(tmp_path):
+    """PyYAML composes nested collections recursively: past about a thousand levels it
+    raised RecursionError, which escaped as a traceback; now a ConfigError like any bad
+    YAML, from a file, a --set value, a shell task or a run dir the monitor reads."""
+    from gyre_slurm.envs.shell import load_task
+    from gyre_slurm.errors import UserError
+    from gyre_slurm.monitor.model import cell_capacity
+
+    deep = "workload: " + "[" * 5000 + "]" * 5000 + "\n"
+    path = tmp_path / "deep.yaml"
+    path.write_text(deep)
+    with pytest.raises(ConfigError, match="nests its lists or mappings too deeply"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="nests its lists or mappings too deeply"):
+        load_config(None, ["workload.phases=" + "[" * 5000 + "]" * 5000])
+    blocks = "a:\n" + "".join(" " * i + "b:\n" for i in range(1, 3000))
+    path.write_text(blocks)
+    with pytest.raises(ConfigError, match="too deeply"):
+        load_config(path)
+    task = tmp_path / "task"
+    task.mkdir()
+    (task / "task.yaml").write_text(deep)
+    with pytest.raises(UserError, match="too deeply"):
+        load_task(task)
+    (tmp_path / "config.yaml").write_text(deep)
+    assert cell_capacity(tmp_path) is None
+
+
 @pytest.mark.parametrize("name", ["terminalbench-122b", "deepswe-122b", "nl2repo-122b",
                                   "nl2repo-2.4t", "small"])
 def test_presets_load(name):

@@ -5,7 +5,9 @@ that is small as text and huge as data: anchors and aliases (`&a`, `*a`) share o
 list many times over, nine levels of nine aliases make 387 million values from 400 bytes,
 and whatever walks the result (a schema check, a dump) then runs for ever. `load_yaml`
 counts the values as the data would be walked, aliases expanded, and refuses past
-MAX_VALUES; an ordinary anchor that saves repeating a section passes.
+MAX_VALUES; an ordinary anchor that saves repeating a section passes. A document nested
+deeper than PyYAML's recursive composer goes (about a thousand levels) is a UserError too,
+not the RecursionError it raises.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ def load_yaml(text: str, *, what: str) -> Any:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise UserError(f"{what} is not valid YAML: {exc}") from exc
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise UserError(f"{what} nests its lists or mappings too deeply to load "
+                        f"(hundreds of levels); flatten it") from None
     check_size(data, what=what)
     return data
 

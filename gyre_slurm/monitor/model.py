@@ -270,7 +270,7 @@ def cell_capacity(run_dir: Path) -> int | None:
         if "runtime" in cfg:  # a run dir of the older config layout
             return int(cfg["runtime"]["runs_per_cell"])
         return int(cfg["rollout"]["runs_per_node"]) * int(cfg["cluster"]["cell_nodes"])
-    except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
+    except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError, RecursionError):
         return None
 
 
