@@ -90,7 +90,7 @@ def test_workload_file_with_a_trace(gyre):
      "workload.phases[0]: durations reach x1.01e+304"),
     (["--preset", "small", "--set", "workload.phases=[{from_step: 1, tokens_scale: 1e-9}]"],
      "tokens reach x1e-09"),
-    (["--preset", "small", "--set", "workload.duration.mean_s=1e30"], "policy ticks"),
+    (["--preset", "small", "--set", "workload.duration.mean_s=1e9"], "policy ticks"),
     (["--preset", "small", "--set", "training.node_tokens_per_s=1e-30"], "policy ticks"),
     (["--preset", "small", "--set", "scheduler.interval_s=1e-9"], "raise scheduler.interval_s"),
     (["--preset", "small", "--set", "workload.phases=[{from_step: 0, turns: 1000000000}]"],
@@ -102,6 +102,22 @@ def test_workload_file_with_a_trace(gyre):
      "handoff.engine_start_s = 1e+30 s is longer than"),
     (["--preset", "small", "--set", "rollout.weight_sync_s=1e30"], "rollout.weight_sync_s"),
     (["--preset", "small", "--set", "seed=-1"], "seed = -1: seeds are whole numbers"),
+    # finite but past what the forecast's and the simulator's arithmetic holds (each was a
+    # traceback: an overflow in the forecast's grid, a rate table of 1e20 entries, a
+    # division by a throughput that underflowed to 0)
+    (["--preset", "small", "--set", "workload.duration.mean_s=1e308"],
+     "workload.duration.mean_s must be <= 1e+09"),
+    (["--preset", "small", "--set", "workload.duration.sigma=1e308"],
+     "workload.duration.sigma must be <= 5"),
+    (["--preset", "small", "--set", "workload.phases=[{from_step: 1, sigma: 50}]"],
+     "sigma must be in [0, 5]"),
+    (["--preset", "small", "--set", "rollout.runs_per_node=99999999999999999999"],
+     "rollout.runs_per_node must be <= 100,000"),
+    (["--preset", "small", "--set", "rollout.runs_per_node=100000", "--set",
+      "cluster.num_nodes=32", "--set", "cluster.cell_nodes=16"],
+     "the simulator takes at most 1,000,000"),
+    (["--preset", "small", "--set", "training.scaling_efficiency=1e-300"],
+     "a throughput of 0 tokens/s (a float underflow)"),
     # --plot is checked before the simulation runs, not when the figure is written
     (["--preset", "small", "--plot", "/nonexistent-dir/x.png"],
      "the folder /nonexistent-dir does not exist"),

@@ -27,6 +27,9 @@ from typing import Any, Sequence
 from gyre_slurm.config.loader import FieldError, key
 
 
+MAX_SIGMA = 5.0  # a lognormal sigma (duration.sigma, a phase's): mean 268,000 x median
+
+
 @dataclass(frozen=True, kw_only=True)
 class PhaseConfig:
     """The workload from step `from_step` on, until the next phase starts."""
@@ -51,8 +54,10 @@ class PhaseConfig:
         for name in ("duration_scale", "tokens_scale"):
             if not getattr(self, name) > 0:
                 raise FieldError(name, f"must be > 0, got {getattr(self, name)}")
-        if self.sigma is not None and not self.sigma >= 0:
-            raise FieldError("sigma", f"must be >= 0, got {self.sigma}")
+        if self.sigma is not None and not 0 <= self.sigma <= MAX_SIGMA:
+            raise FieldError("sigma", f"must be in [0, {MAX_SIGMA:g}] (the spread of "
+                             f"log durations; 5 puts the mean 268,000 times the median), "
+                             f"got {self.sigma}")
         if self.turns is not None and self.turns < 1:
             raise FieldError("turns", f"must be >= 1, got {self.turns}")
         for name in ("growth_per_step", "tokens_growth_per_step"):

@@ -129,6 +129,14 @@ class GyreConfig:
                 f"training.min_replica_nodes = {self.training.min_replica_nodes} exceeds "
                 f"cluster.num_nodes = {self.cluster.num_nodes}: the model cannot train"
             )
+        t, nodes = self.training, self.cluster.num_nodes
+        usable = nodes // t.min_replica_nodes * t.min_replica_nodes
+        if not t.node_tokens_per_s * usable * t.scaling_efficiency ** math.log2(usable) > 0:
+            raise ConfigError(
+                f"training.node_tokens_per_s = {t.node_tokens_per_s:g} with "
+                f"scaling_efficiency = {t.scaling_efficiency:g} kept per doubling of nodes "
+                f"gives {nodes} nodes a throughput of 0 tokens/s (a float underflow): the "
+                f"scheduler's forecast and the simulator divide by it; raise them")
         min_train = math.ceil(self.training.min_replica_nodes / self.cluster.cell_nodes)
         if min_train > num_cells - sched.min_rollout_cells:
             raise ConfigError(

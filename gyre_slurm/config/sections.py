@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from gyre_slurm.config.agents import ScaffoldConfig
 from gyre_slurm.config.loader import FieldError, key
-from gyre_slurm.config.phases import PhaseConfig, check_phases
+from gyre_slurm.config.phases import MAX_SIGMA, PhaseConfig, check_phases
 from gyre_slurm.errors import ConfigError
 
 PolicyName = Literal["elastic", "colocate", "async"]
@@ -37,6 +37,18 @@ def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
 def _all_positive(section: Any, names: tuple[str, ...], *, allow_zero: bool = False) -> None:
     for name in names:
         _positive(name, getattr(section, name), allow_zero=allow_zero)
+
+
+# Upper limits where a value past them means nothing and breaks the arithmetic of the
+# forecast and the simulator (a lognormal's grid of exp(mu +- 6 sigma) overflows; a rate
+# table of one entry per concurrent run cannot be allocated): far above any real job.
+MAX_DURATION_S = 1e9  # about 32 years: no Slurm job, let alone an agent run, is longer
+MAX_RUNS_PER_NODE = 100_000
+
+
+def _at_most(name: str, value: float, limit: float, why: str) -> None:
+    if value > limit:
+        raise FieldError(name, f"must be <= {limit:,g} ({why}), got {value:g}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,6 +140,12 @@ class DurationConfig:
         _positive("sigma", self.sigma, allow_zero=True)
         if self.max_s is not None:
             _positive("max_s", self.max_s)
+        for name in ("mean_s", "max_s"):
+            if getattr(self, name) is not None:
+                _at_most(name, getattr(self, name), MAX_DURATION_S,
+                         "seconds; about 32 years: check the unit")
+        _at_most("sigma", self.sigma, MAX_SIGMA, "the spread of log durations; 5 puts the "
+                 "mean 268,000 times the median")
         if self.dist == "trace" and not self.trace_file:
             raise FieldError("trace_file", "is not set but dist is 'trace'; give a file "
                              "with one duration in seconds per line, or dist: lognormal")
@@ -294,6 +312,8 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _positive("runs_per_node", self.runs_per_node)
+        _at_most("runs_per_node", self.runs_per_node, MAX_RUNS_PER_NODE,
+                 "concurrent runs one node serves; vLLM serves hundreds")
         _all_positive(self, ("half_load_runs", "reprefill_s", "weight_sync_s"),
                       allow_zero=True)
         _all_positive(self, ("call_interval_s", "max_model_len", "weight_bucket_mb",

@@ -5,7 +5,7 @@ tokens/s, a million steps).
 
 - at most MAX_RUNS runs (each is a row of the workload's arrays);
 - at most MAX_CELLS cells (a policy tick looks at every cell; 64 cells already take
-  minutes);
+  minutes), each serving at most MAX_CELL_RUNS runs at once;
 - at most MAX_TICKS policy ticks: the job's makespan, at the least (all rollout work on
   full cells, or all tokens trained by the whole cluster and the optimizer steps), over
   `scheduler.interval_s`; and, for what no estimate foresees (a handoff of 1e30 s), a
@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # sim.workload imports this module (check_size)
 MAX_RUNS = 2_000_000
 MAX_CELLS = 1024
 MAX_TICKS = 2_000_000
+MAX_CELL_RUNS = 1_000_000  # runs one cell serves at once (a rate table holds one per load)
 
 
 class TooLargeToSimulate(UserError):
@@ -45,6 +46,11 @@ def check_size(cfg: GyreConfig) -> None:
             f"the workload has {runs:,} runs (workload.num_steps {w.num_steps:,} x "
             f"{w.runs_per_step:,} a step); the simulator takes at most {MAX_RUNS:,}: "
             f"simulate fewer steps (its figures are per step and per job alike)")
+    if cfg.cell_capacity > MAX_CELL_RUNS:
+        raise TooLargeToSimulate(
+            f"a cell serves {cfg.cell_capacity:,} runs at once (rollout.runs_per_node "
+            f"{cfg.rollout.runs_per_node:,} x cluster.cell_nodes {cfg.cluster.cell_nodes:,}); "
+            f"the simulator takes at most {MAX_CELL_RUNS:,}: use smaller cells")
     if cfg.cluster.num_cells > MAX_CELLS:
         raise TooLargeToSimulate(
             f"the cluster has {cfg.cluster.num_cells:,} cells (cluster.num_nodes "
