@@ -132,6 +132,29 @@ def test_bad_input_is_a_clear_error(gyre, args, message):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("content, message", [
+    (b"\xff\xfe12\n", "not UTF-8 text (byte 0)"),
+    (b"600\n1e10\n", "a duration of 1e+10 s; durations are seconds"),
+    (b"600\nnan\n", "durations must be positive numbers"),
+    (b"600 abc\n", "expected one duration in seconds per line"),
+    (None, "not a regular file"),  # a folder
+    ("/dev/zero", "not a regular file"),  # a device: reading it would never end
+])
+def test_a_bad_trace_file_is_a_clear_error(gyre, tmp_path, content, message):
+    trace = tmp_path / "trace.txt"
+    if content is None:
+        trace.mkdir()
+    elif isinstance(content, str):
+        trace = content
+    else:
+        trace.write_bytes(content)
+    workload = tmp_path / "workload.yaml"
+    workload.write_text(f"workload:\n  duration: {{dist: trace, trace_file: {trace}}}\n")
+    proc = gyre("sim", "--workload", str(workload), "--no-ablations", check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_a_simulation_that_runs_past_the_limit_stops_with_a_clear_error(monkeypatch):
     """What no check up front foresees (here handoffs of 5,000 s, each within the limit,
     that colocate makes twice a step) stops the simulation once it has simulated

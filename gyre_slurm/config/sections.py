@@ -22,6 +22,7 @@ from typing import Any, Literal
 from gyre_slurm.config.agents import ScaffoldConfig
 from gyre_slurm.config.loader import FieldError, key
 from gyre_slurm.config.phases import MAX_SIGMA, PhaseConfig, check_phases
+from gyre_slurm.config.trace import MAX_DURATION_S
 from gyre_slurm.errors import ConfigError
 
 PolicyName = Literal["elastic", "colocate", "async"]
@@ -42,7 +43,6 @@ def _all_positive(section: Any, names: tuple[str, ...], *, allow_zero: bool = Fa
 # Upper limits where a value past them means nothing and breaks the arithmetic of the
 # forecast and the simulator (a lognormal's grid of exp(mu +- 6 sigma) overflows; a rate
 # table of one entry per concurrent run cannot be allocated): far above any real job.
-MAX_DURATION_S = 1e9  # about 32 years: no Slurm job, let alone an agent run, is longer
 MAX_RUNS_PER_NODE = 100_000
 
 

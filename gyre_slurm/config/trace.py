@@ -11,18 +11,36 @@ import numpy as np
 from gyre_slurm.errors import ConfigError
 
 
+MAX_TRACE_BYTES = 256 << 20  # some 20 million durations: far more than a trace needs
+MAX_DURATION_S = 1e9  # about 32 years: no Slurm job, let alone an agent run, is longer
+
+
 def load_trace(path: str | None, *, base_dir: Path | None = None) -> np.ndarray:
     p = Path(path or "")
     if not p.is_absolute() and base_dir is not None:
         p = base_dir / p
+    what = f"workload.duration.trace_file {p}"
     try:
-        lines = p.read_text().split()
+        if not p.is_file():  # a folder, a device or a pipe (/dev/zero would never end)
+            raise ConfigError(f"{what}: not a regular file" if p.exists()
+                              else f"{what}: no such file")
+        size = p.stat().st_size
+        if size > MAX_TRACE_BYTES:
+            raise ConfigError(f"{what}: {size:,} bytes; a trace of one duration per line "
+                              f"takes at most {MAX_TRACE_BYTES:,}: sample it down")
+        lines = p.read_bytes().decode("utf-8").split()
     except OSError as exc:
-        raise ConfigError(f"workload.duration.trace_file {p}: {exc.strerror}") from exc
+        raise ConfigError(f"{what}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what}: not UTF-8 text (byte {exc.start}); expected one "
+                          f"duration in seconds per line") from None
     try:
         values = np.array([float(x) for x in lines], dtype=np.float64)
     except ValueError as exc:
         raise ConfigError(f"{p}: expected one duration in seconds per line ({exc})") from exc
     if values.size == 0 or np.any(values <= 0) or not np.all(np.isfinite(values)):
         raise ConfigError(f"{p}: durations must be positive numbers, at least one")
+    if np.any(values > MAX_DURATION_S):
+        raise ConfigError(f"{p}: a duration of {values.max():.3g} s; durations are seconds, "
+                          f"at most {MAX_DURATION_S:g} (about 32 years): check the unit")
     return values
