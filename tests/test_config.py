@@ -119,6 +119,24 @@ def test_a_yaml_bomb_is_refused_not_expanded(tmp_path):
     assert load_config(shared).cluster.num_nodes == 4
 
 
+def test_a_config_path_that_never_ends_is_refused_and_a_pipe_still_reads(tmp_path):
+    """/dev/zero (or a runaway pipe) was read for ever; a config is kilobytes, so past
+    64 MB the read stops with an error. A pipe of a real config (`<(make-config)`) loads."""
+    import os
+    import threading
+
+    with pytest.raises(ConfigError, match="/dev/zero holds more than 64 MB"):
+        load_config("/dev/zero")
+    fifo = tmp_path / "config.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("workload: {num_steps: 7}\n"))
+    writer.start()
+    try:
+        assert load_config(fifo).workload.num_steps == 7
+    finally:
+        writer.join(timeout=10)
+
+
 def test_yaml_nested_too_deeply_is_a_config_error_not_a_crash(tmp_path):
     """PyYAML composes nested collections recursively: past about a thousand levels it
     raised RecursionError, which escaped as a traceback; now a ConfigError like any bad

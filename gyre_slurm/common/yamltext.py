@@ -51,10 +51,20 @@ def check_size(data: Any, *, what: str) -> None:
             stack.extend(node)
 
 
+MAX_TEXT_BYTES = 64 << 20  # a config or a task file is kilobytes
+
+
 def read_text(path: Path, *, what: str) -> str:
-    """A text file's content as UTF-8; a UserError naming `what` if it is not."""
+    """A text file's content as UTF-8; a UserError naming `what` if it is not, or if it
+    holds more than MAX_TEXT_BYTES (read no further: /dev/zero or a runaway pipe would
+    never end; a pipe of a config, `gyre run <(make-config)`, still reads)."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_TEXT_BYTES + 1)
+    if len(data) > MAX_TEXT_BYTES:
+        raise UserError(f"{what} holds more than {MAX_TEXT_BYTES >> 20} MB; a config or "
+                        f"task file is a few kilobytes of YAML or JSON: check the path")
     try:
-        return path.read_bytes().decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UserError(f"{what} is not UTF-8 text (byte {exc.start}: "
                         f"{exc.object[exc.start:exc.start + 1]!r})") from exc
