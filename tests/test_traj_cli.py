@@ -123,3 +123,28 @@ def test_runs_can_be_a_directory_of_run_records(tmp_path):
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(t["run_id"], t["advantage"]) for t in lines] == [
         ("good", 1.0), ("good", 1.0), ("other", -1.0)]
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"call": 2**31}, "call must be an integer from 0 to 2147483647"),
+    ({"policy_version": 2**63}, "policy_version must be an integer from 0 to"),
+    ({"run_id": "r" * 70_000}, "run_id must be at most 65,535 bytes"),
+    ({"finish_reason": "s" * 70_000}, "finish_reason must be a string of at most 65,535"),
+    ({"output_logprobs": [1e308, -0.1]}, "output_logprobs must be a list of finite numbers"),
+])
+def test_import_refuses_what_the_store_cannot_hold_and_keeps_the_rest(tmp_path, capsys, change,
+                                                                      reason):
+    """A record whose numbers or names overflow the call store's fixed header (an int32
+    call, an int64 version, 65,535-byte names) stopped `traj import` with a struct.error
+    traceback part-way through the file; now it is rejected like any bad record and the
+    records after it are imported (a run with a bad record is left out whole, as ever)."""
+    calls = [c.to_json() for c in GOOD]
+    bad = FAILED[0].to_json() | {"run_id": "bad"} | change
+    path = _jsonl(tmp_path / "calls.jsonl", [calls[0], bad, *calls[1:], OTHER[0].to_json()])
+    run_dir = tmp_path / "run"
+    assert main(["traj", "import", path, str(run_dir)]) == 1
+    err = capsys.readouterr().err
+    assert reason in err and "Traceback" not in err and "RuntimeWarning" not in err, err
+    main(["traj", "export", str(run_dir), "-o", str(tmp_path / "back.jsonl")])
+    back = [json.loads(line) for line in (tmp_path / "back.jsonl").read_text().splitlines()]
+    assert back == [*calls, OTHER[0].to_json()]

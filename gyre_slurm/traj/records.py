@@ -36,6 +36,11 @@ from gyre_slurm.errors import UserError
 log = logging.getLogger(__name__)
 
 ID_LIMIT = 2**31  # ids are stored as int32; a vocab can be no larger
+# What the call store's fixed header holds (traj/store.py FIXED): a call index as int32,
+# the policy version as int64, run_id and finish_reason as UTF-8 of at most 65,535 bytes.
+MAX_CALL = 2**31 - 1
+MAX_VERSION = 2**63 - 1
+MAX_NAME_BYTES = 2**16 - 1
 CALL_KEYS = (
     "run_id", "call", "prompt_ids", "output_ids", "output_logprobs",
     "policy_version", "t_start", "t_end", "finish_reason",
@@ -162,7 +167,8 @@ def logprob_array(values: Any, *, name: str) -> np.ndarray:
     if len(values) == 0:
         return EMPTY_LOGPROBS
     try:
-        arr = np.asarray(values, dtype=np.float32)
+        with np.errstate(over="ignore"):  # past float32's range: inf, refused below
+            arr = np.asarray(values, dtype=np.float32)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a list of numbers") from None
     if arr.ndim != 1 or not np.all(np.isfinite(arr)):
@@ -176,8 +182,11 @@ def _header(obj: Any) -> tuple[str, int]:
     run_id = obj.get("run_id")
     _require(isinstance(run_id, str) and run_id != "", "run_id must be a non-empty string",
              None, None)
+    _require(len(run_id.encode("utf-8", "surrogatepass")) <= MAX_NAME_BYTES,
+             f"run_id must be at most {MAX_NAME_BYTES:,} bytes", run_id[:64], None)
     call = obj.get("call")
-    _require(_is_int(call) and call >= 0, "call must be an integer >= 0", run_id, None)
+    _require(_is_int(call) and 0 <= call <= MAX_CALL,
+             f"call must be an integer from 0 to {MAX_CALL}", run_id, None)
     return run_id, call
 
 
@@ -196,13 +205,15 @@ def parse_call(obj: Any, *, vocab_size: int | None = None) -> CallRecord:
     _require(len(output) == len(logprobs),
              f"{len(output)} output_ids but {len(logprobs)} output_logprobs", run_id, call)
     version = obj["policy_version"]
-    _require(_is_int(version) and version >= 0, "policy_version must be an integer >= 0",
-             run_id, call)
+    _require(_is_int(version) and 0 <= version <= MAX_VERSION,
+             f"policy_version must be an integer from 0 to {MAX_VERSION}", run_id, call)
     times = [obj.get(k, 0.0) for k in ("t_start", "t_end")]
     _require(all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
                  for t in times), "t_start and t_end must be finite numbers", run_id, call)
     finish = obj.get("finish_reason", "")
-    _require(isinstance(finish, str), "finish_reason must be a string", run_id, call)
+    _require(isinstance(finish, str)
+             and len(finish.encode("utf-8", "surrogatepass")) <= MAX_NAME_BYTES,
+             f"finish_reason must be a string of at most {MAX_NAME_BYTES:,} bytes", run_id, call)
     extra = {k: v for k, v in obj.items() if k not in CALL_KEYS}
     return CallRecord(run_id, call, prompt, output, logprobs, version,
                       float(times[0]), float(times[1]), finish, extra)
