@@ -28,6 +28,7 @@ from gyre_slurm.config.loader import FieldError, key
 
 
 MAX_SIGMA = 5.0  # a lognormal sigma (duration.sigma, a phase's): mean 268,000 x median
+MAX_DURATION_S = 1e9  # a duration (mean_s, max_s, a trace's): 32 years, no job is longer
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,8 +21,7 @@ from typing import Any, Literal
 
 from gyre_slurm.config.agents import ScaffoldConfig
 from gyre_slurm.config.loader import FieldError, key
-from gyre_slurm.config.phases import MAX_SIGMA, PhaseConfig, check_phases
-from gyre_slurm.config.trace import MAX_DURATION_S
+from gyre_slurm.config.phases import MAX_DURATION_S, MAX_SIGMA, PhaseConfig, check_phases
 from gyre_slurm.errors import ConfigError
 
 PolicyName = Literal["elastic", "colocate", "async"]

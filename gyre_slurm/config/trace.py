@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
+from gyre_slurm.config.phases import MAX_DURATION_S
 from gyre_slurm.errors import ConfigError
 
 
 MAX_TRACE_BYTES = 256 << 20  # some 20 million durations: far more than a trace needs
-MAX_DURATION_S = 1e9  # about 32 years: no Slurm job, let alone an agent run, is longer
 
 
 def load_trace(path: str | None, *, base_dir: Path | None = None) -> np.ndarray:
