@@ -81,7 +81,10 @@ def test_chat_completion_recorded(engines, tmp_path):
     stop_ids = [tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id]
 
     async def go(gw, http, base):
+        # the watchdog's evidence of a live engine: the gateway notes each answer
+        assert not any(gw.answered_within(s, 3600) for s in ("s0", "s1"))
         first = await chat(http, base, "r1", temperature=0, logprobs=True)
+        assert gw.answered_within(gw.router.affinity["r1"], 60)
         follow = HELLO + [{"role": "assistant", "content": first[1]["choices"][0]["message"]
                            ["content"]}, {"role": "user", "content": "and the dog"}]
         second = await chat(http, base, "r1", follow, temperature=0.8, seed=7,

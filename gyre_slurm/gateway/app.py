@@ -124,6 +124,10 @@ class Gateway:
     def server_load(self) -> dict[str, dict[str, Any]]:
         return self.router.load()
 
+    def answered_within(self, server_id: str, seconds: float) -> bool:
+        """Whether the server answered a generation in the last `seconds`."""
+        return self.router.answered_within(server_id, seconds)
+
     def open_run(self, run_id: str) -> str:
         """A run of the job starts: its own key (valid on its URL until `end_run`)."""
         if not RUN_ID.match(run_id):
@@ -461,6 +465,7 @@ class Gateway:
             if not _well_formed(r[0]):
                 raise HttpError(502, f"rollout server {server.server_id!r} answered a "
                                 f"malformed generation: {str(r[0])[:200]}", "server_error")
+        self.router.answered(server.server_id)
         return results, server
 
     def _answer(self, index: int, result: dict[str, Any], sampling: openai.Sampling,

@@ -47,6 +47,7 @@ class ServerState:
     runs: set[str] = field(default_factory=set)
     external: set[str] = field(default_factory=set)
     in_flight: int = 0
+    answered_at: float | None = None  # time.monotonic() of its last good generation
 
     def holding(self) -> int:
         return len(self.runs) + len(self.external)
@@ -92,6 +93,18 @@ class Router:
             state.suspect = True
             log.warning("server %s suspect: no new runs until it answers its health check",
                         server_id)
+
+    def answered(self, server_id: str) -> None:
+        """The server just answered a generation: it is alive, however slowly its health
+        endpoint answers (a loaded node)."""
+        state = self.servers.get(server_id)
+        if state is not None:
+            state.answered_at = time.monotonic()
+
+    def answered_within(self, server_id: str, seconds: float) -> bool:
+        state = self.servers.get(server_id)
+        return state is not None and state.answered_at is not None \
+            and time.monotonic() - state.answered_at <= seconds
 
     def trust(self, server_id: str) -> None:
         state = self.servers.get(server_id)

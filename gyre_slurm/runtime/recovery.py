@@ -301,6 +301,10 @@ class Recovery:
     async def watch_engines(self) -> None:
         job, faults = self.job, self.job.cfg.faults
         strikes: dict[ServerId, int] = {}
+        slow: set[ServerId] = set()  # answering generations, not health checks (logged)
+        # a hung engine answers nothing for the strikes' span; one that answered a
+        # generation within it is alive
+        window = faults.engine_strikes * (faults.engine_check_s + faults.engine_health_timeout_s)
         while True:
             await asyncio.sleep(faults.engine_check_s)
             checks = [(cell, sid, client)
@@ -313,13 +317,18 @@ class Recovery:
             for (cell, sid, _), res in zip(checks, results):
                 if not self._watched(cell) or sid not in job.engine_clients.get(cell, {}):
                     continue  # a handoff, a restart or a failure began meanwhile
-                # vLLM says "paused" while it reloads weights: alive. "syncing" outside a
-                # streamed round: half-loaded by a round that failed, it must not serve
-                ok = isinstance(res, dict) and res.get("status") in ("ok", "paused") \
-                    or (isinstance(res, dict) and res.get("status") == "syncing"
-                        and sid in self.wsync_pending())
+                load = self.gateway.server_load().get(str(sid), {})
+                syncing = isinstance(res, dict) and res.get("status") == "syncing"
+                ok, slow_now = health_verdict(
+                    res, syncing_ok=syncing and sid in self.wsync_pending(),
+                    suspect=bool(load.get("suspect")),
+                    answered_recently=self.gateway.answered_within(str(sid), window))
+                if slow_now and sid not in slow:
+                    log.info("engine %s: health check unanswered in time but it answers "
+                             "generations: slow, not hung", sid)
+                slow = slow | {sid} if slow_now else slow - {sid}
                 strikes[sid] = 0 if ok else strikes.get(sid, 0) + 1
-                if ok and self.gateway.server_load().get(str(sid), {}).get("suspect"):
+                if ok and load.get("suspect"):
                     self.gateway.trust_server(str(sid))  # it answers: route to it again
                 if strikes[sid] >= faults.engine_strikes:
                     strikes[sid] = 0
@@ -468,3 +477,33 @@ async def catch_up(clients: list, job: JobState, version: int) -> int:
         path = str(tiny.weights_dir(job.rd.path, version))
         await asyncio.gather(*(c.load_weights(path, version) for c in clients))
     return version
+
+
+def _timed_out(exc: object) -> bool:
+    """Whether an engine call failed by running out of time (not refused, not reset)."""
+    seen = 0
+    while isinstance(exc, BaseException) and seen < 8:
+        if isinstance(exc, TimeoutError):  # asyncio's and aiohttp's timeouts too
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def health_verdict(res: object, *, syncing_ok: bool, suspect: bool,
+                   answered_recently: bool) -> tuple[bool, bool]:
+    """(alive, slow) of one health check's result (an answer or the exception).
+
+    Alive: "ok", or "paused" (vLLM reloading weights), or "syncing" inside a streamed
+    round (`syncing_ok`; outside one it is half-loaded by a round that failed and must not
+    serve). Also alive, and slow: no answer in time while the server answered a
+    generation within the strikes' span (`answered_recently`) and no call to it has failed
+    (`suspect`): a loaded node, not a hung engine. A refused or reset connection, a wrong
+    status, or silence with no generation answered either, is a strike. Restarting a slow
+    engine costs a start and its runs' prefix caches, and under the same load its
+    successor fares no better (a loaded CI machine restarted a healthy vLLM server every
+    25 s, three times)."""
+    if isinstance(res, dict):
+        status = res.get("status")
+        return status in ("ok", "paused") or (status == "syncing" and syncing_ok), False
+    slow = _timed_out(res) and not suspect and answered_recently
+    return slow, slow
