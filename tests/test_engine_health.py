@@ -3,9 +3,10 @@
 A health check that times out is a strike, unless the server answered a generation
 within the strikes' span and no call to it failed: a loaded node's engine answers its
 calls late but answers them (a loaded CI machine restarted a healthy vLLM server every
-25 s, three times, until the run missed its deadline). A refused or reset connection, a
-bad status, or silence with no generation answered stay strikes, so a dead or hung
-engine is still restarted. Real HTTP on loopback: a server whose /health answers late,
+25 s, three times, until the run missed its deadline); nor while a new server has
+answered nothing yet, within `faults.engine_start_grace_s`. A refused or reset
+connection, a bad status, or silence with no generation answered stay strikes, so a
+dead or hung engine is still restarted. Real HTTP on loopback: a server whose /health answers late,
 a closed port; the gateway's real router.
 """
 
@@ -69,10 +70,16 @@ def test_the_router_remembers_when_each_server_last_answered():
         router.add("s0", client=None, capacity=4)
         router.add("s1", client=None, capacity=4)
         assert not router.answered_within("s0", 60)  # never answered: no credit
+        # ... except in its start grace: a new server's first calls are its slowest
+        assert router.answered_within("s0", 0.0, new_grace_s=60)
+        await asyncio.sleep(0.3)
+        assert not router.answered_within("s0", 60, new_grace_s=0.2)
         router.answered("s0")
         assert router.answered_within("s0", 60) and not router.answered_within("s1", 60)
         await asyncio.sleep(0.3)
         assert not router.answered_within("s0", 0.2) and router.answered_within("s0", 60)
+        # once it has answered, the grace no longer stands in for an answer
+        assert not router.answered_within("s0", 0.2, new_grace_s=3600)
         router.answered("gone")  # a server removed meanwhile: nothing to remember
         assert not router.answered_within("gone", 60)
     asyncio.run(main())

@@ -501,6 +501,10 @@ class FaultsConfig:
     engine_health_timeout_s: float = key(5.0, "a health check not answered in this fails "
                                               "(a busy vLLM-CPU server can take seconds)")
     engine_strikes: int = key(3, "failed health checks in a row that restart an engine")
+    engine_start_grace_s: float = key(
+        60.0, "a new engine's health checks that time out are no strikes for this long, "
+              "until it first answers a generation (its first calls are slow on a loaded "
+              "node); refused connections still are")
     max_engine_restarts: int = key(3, "engine restarts per server before its cell fails")
     max_run_attempts: int = key(4, "attempts of a run interrupted by its server, in all")
     run_restart_backoff_s: float = key(1.0, "an interrupted run restarts after this")
@@ -512,8 +516,8 @@ class FaultsConfig:
         _all_positive(self, ("heartbeat_s", "agent_lost_s", "engine_check_s",
                              "engine_health_timeout_s", "engine_strikes", "max_run_attempts",
                              "engine_handoff_timeout_s"))
-        _all_positive(self, ("max_engine_restarts", "run_restart_backoff_s"),
-                      allow_zero=True)
+        _all_positive(self, ("max_engine_restarts", "run_restart_backoff_s",
+                             "engine_start_grace_s"), allow_zero=True)
         if self.agent_lost_s < 2 * self.heartbeat_s:
             raise FieldError("agent_lost_s", f"= {self.agent_lost_s:g} s is under two "
                              f"heartbeats (faults.heartbeat_s = {self.heartbeat_s:g} s): "

@@ -124,9 +124,11 @@ class Gateway:
     def server_load(self) -> dict[str, dict[str, Any]]:
         return self.router.load()
 
-    def answered_within(self, server_id: str, seconds: float) -> bool:
-        """Whether the server answered a generation in the last `seconds`."""
-        return self.router.answered_within(server_id, seconds)
+    def answered_within(self, server_id: str, seconds: float, *, new_grace_s: float = 0.0
+                        ) -> bool:
+        """Whether the server answered a generation in the last `seconds` (one that has
+        answered none yet: whether it was added in the last `new_grace_s`)."""
+        return self.router.answered_within(server_id, seconds, new_grace_s=new_grace_s)
 
     def open_run(self, run_id: str) -> str:
         """A run of the job starts: its own key (valid on its URL until `end_run`)."""

@@ -48,6 +48,7 @@ class ServerState:
     external: set[str] = field(default_factory=set)
     in_flight: int = 0
     answered_at: float | None = None  # time.monotonic() of its last good generation
+    added_at: float = field(default_factory=time.monotonic)
 
     def holding(self) -> int:
         return len(self.runs) + len(self.external)
@@ -101,10 +102,17 @@ class Router:
         if state is not None:
             state.answered_at = time.monotonic()
 
-    def answered_within(self, server_id: str, seconds: float) -> bool:
+    def answered_within(self, server_id: str, seconds: float, *, new_grace_s: float = 0.0
+                        ) -> bool:
+        """Whether the server answered a generation in the last `seconds`; one that has
+        answered none yet counts as answering for `new_grace_s` after it was added (its
+        first calls are the slowest)."""
         state = self.servers.get(server_id)
-        return state is not None and state.answered_at is not None \
-            and time.monotonic() - state.answered_at <= seconds
+        if state is None:
+            return False
+        if state.answered_at is None:
+            return time.monotonic() - state.added_at <= new_grace_s
+        return time.monotonic() - state.answered_at <= seconds
 
     def trust(self, server_id: str) -> None:
         state = self.servers.get(server_id)

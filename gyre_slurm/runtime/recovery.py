@@ -322,7 +322,8 @@ class Recovery:
                 ok, slow_now = health_verdict(
                     res, syncing_ok=syncing and sid in self.wsync_pending(),
                     suspect=bool(load.get("suspect")),
-                    answered_recently=self.gateway.answered_within(str(sid), window))
+                    answered_recently=self.gateway.answered_within(
+                        str(sid), window, new_grace_s=faults.engine_start_grace_s))
                 if slow_now and sid not in slow:
                     log.info("engine %s: health check unanswered in time but it answers "
                              "generations: slow, not hung", sid)
@@ -496,7 +497,8 @@ def health_verdict(res: object, *, syncing_ok: bool, suspect: bool,
     Alive: "ok", or "paused" (vLLM reloading weights), or "syncing" inside a streamed
     round (`syncing_ok`; outside one it is half-loaded by a round that failed and must not
     serve). Also alive, and slow: no answer in time while the server answered a
-    generation within the strikes' span (`answered_recently`) and no call to it has failed
+    generation within the strikes' span, or is new and has answered none yet
+    (`answered_recently`, `faults.engine_start_grace_s`), and no call to it has failed
     (`suspect`): a loaded node, not a hung engine. A refused or reset connection, a wrong
     status, or silence with no generation answered either, is a strike. Restarting a slow
     engine costs a start and its runs' prefix caches, and under the same load its
