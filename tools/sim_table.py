@@ -9,6 +9,12 @@
                                                               where elastic's and async-stream's
                                                               cell-seconds go, against the
                                                               lower bound's
+  tools/gyre-env python tools/sim_table.py --starved [PRESET ...]
+                                                              elastic's empty rollout slots:
+                                                              with no run allowed to start
+                                                              (the staleness bound) or with
+                                                              runs queued; each step's
+                                                              release, starts and end
 
 Speedups are makespan ratios (other / elastic's). "Published" columns are the figures of
 the published runs (the presets cite them) and of the published ablation (streaming
@@ -128,9 +134,66 @@ def losses(presets) -> None:
                   f"{t['transit_s'] / need:.1%} |", flush=True)
 
 
+def starved(presets) -> None:
+    """Elastic's empty rollout slots (as cell-seconds, a share of all the cells' time),
+    split by whether a run was queued: with none (every run allowed by the staleness
+    bound already started or done: the next batch waits for a step to be trained) or
+    with runs queued (a cell stalled or just back). And the steps: each one's release
+    (step k - s - 1 trained), when its runs started (the queue), and when it was trained."""
+    import numpy as np
+
+    from gyre_slurm.sched.cells import Role
+    from gyre_slurm.sim.engine import Simulator
+
+    print("| preset | elastic / bound | empty slots, no run allowed | empty slots, runs "
+          "queued | training cells idle | steps: start delay after release, trained after "
+          "release (medians) |")
+    print("|---|---|---|---|---|---|")
+    for name in presets:
+        cfg = load_config(preset_path(name))
+        w = sample_workload(cfg)
+        sim = Simulator(cfg, named_policy(cfg, "elastic"), w)
+        rows: list[tuple[float, float, int, int, bool, int]] = []
+        flush = sim.flush_dirty
+
+        def record(sim=sim, rows=rows, flush=flush) -> None:  # after every event
+            flush()
+            roll = sim.table.ids(Role.ROLLOUT)
+            empty = len(roll) * sim.cap - int(sum(sim.rollout.load[c] for c in roll))
+            rows.append((sim.now, empty / sim.cap, len(sim.queue),
+                         len(sim.table.ids(Role.TRAIN)), sim.mb is not None, sim.version))
+        sim.flush_dirty = record
+        res = sim.run()
+        t = np.array([r[0] for r in rows])
+        dt = np.diff(t, append=t[-1])
+        empty = np.array([r[1] for r in rows])
+        queued = np.array([r[2] for r in rows]) > 0
+        train_idle = np.array([r[3] * (not r[4]) for r in rows])
+        version = np.array([r[5] for r in rows])
+        whole = cfg.cluster.num_cells * res.makespan_s
+        trained = [float(t[np.argmax(version >= k + 1)]) for k in range(w.num_steps)]
+        s = sim.staleness
+        release = [trained[k - s - 1] if k - s - 1 >= 0 else 0.0 for k in range(w.num_steps)]
+        per = w.runs_per_step
+        last_start = [float(sim.start_s[k * per:(k + 1) * per].max()) - release[k]
+                      for k in range(w.num_steps)]
+        done = [trained[k] - release[k] for k in range(w.num_steps)]
+        longest = np.median([w.work_s[k * per:(k + 1) * per].max() for k in range(w.num_steps)])
+        bound = lower_bound(cfg, w)["lower_bound_s"]
+        print(f"| {name} | {res.makespan_s / bound:.3f} | "
+              f"{np.sum(dt * empty * ~queued) / whole:.1%} | "
+              f"{np.sum(dt * empty * queued) / whole:.1%} | "
+              f"{np.sum(dt * train_idle) / whole:.1%} | last run started "
+              f"{np.median(last_start) / 3600:.2f} h after release, trained "
+              f"{np.median(done) / 3600:.2f} h after; longest run {longest / 3600:.2f} h "
+              f"of work |", flush=True)
+
+
 def main(argv: list[str]) -> None:
     if argv[:1] == ["--losses"]:
         losses(tuple(argv[1:]) or PRESETS)
+    elif argv[:1] == ["--starved"]:
+        starved(tuple(argv[1:]) or PRESETS)
     elif argv[:1] == ["--assumptions"]:
         assumptions()
     elif argv[:1] == ["--all"]:  # both, each comparison run once
