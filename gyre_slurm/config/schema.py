@@ -130,8 +130,7 @@ class GyreConfig:
                 f"cluster.num_nodes = {self.cluster.num_nodes}: the model cannot train"
             )
         t, nodes = self.training, self.cluster.num_nodes
-        usable = nodes // t.min_replica_nodes * t.min_replica_nodes
-        if not t.node_tokens_per_s * usable * t.scaling_efficiency ** math.log2(usable) > 0:
+        if not t.throughput(nodes) > 0:
             raise ConfigError(
                 f"training.node_tokens_per_s = {t.node_tokens_per_s:g} with "
                 f"scaling_efficiency = {t.scaling_efficiency:g} kept per doubling of nodes "

@@ -356,6 +356,15 @@ class TrainingConfig:
                              f"must be in (0, 1], got {self.scaling_efficiency}")
         _all_positive(self, ("max_staleness", "optimizer_step_s"), allow_zero=True)
 
+    def throughput(self, nodes: int) -> float:
+        """Trained tokens/s of a world of `nodes` nodes, as the simulator and the
+        scheduler's prior model it: `node_tokens_per_s * usable * scaling_efficiency **
+        log2(usable)`, `usable` counting only whole model replicas (0 when none fits)."""
+        usable = (nodes // self.min_replica_nodes) * self.min_replica_nodes
+        if usable <= 0:
+            return 0.0
+        return self.node_tokens_per_s * usable * self.scaling_efficiency ** math.log2(usable)
+
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:

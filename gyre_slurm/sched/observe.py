@@ -65,8 +65,7 @@ def opening_observation(cfg: GyreConfig) -> Observation:
     tokens as configured (`workload.tokens_mean`, times what the packing computes)."""
     w, t, nodes = cfg.workload, cfg.training, cfg.cluster.cell_nodes
     cells = math.ceil(t.min_replica_nodes / nodes)
-    usable = (cells * nodes // t.min_replica_nodes) * t.min_replica_nodes
-    cell_tps = t.node_tokens_per_s * usable * t.scaling_efficiency ** math.log2(usable) / cells
+    cell_tps = t.throughput(cells * nodes) / cells
     per_token = 1.0 if t.packing == "tree" else w.rows_reread
     allowed = min(w.num_steps, t.max_staleness + 1) * w.runs_per_step
     return Observation(

@@ -5,23 +5,20 @@ step per batch; micro-batches accumulate gradients). What is ready to train is t
 runtime's own ledger (`gyre_slurm.sched.ledger.WorkLedger`): a run's tokens become
 trainable when its whole group has finished; streaming trains ready groups as they
 come, otherwise a step starts only when its whole batch is ready. Throughput of a training world of `nodes` nodes:
-`node_tokens_per_s * usable * scaling_efficiency ** log2(usable)`, where `usable` counts
-only whole model replicas of `min_replica_nodes`.
+`TrainingConfig.throughput` (`node_tokens_per_s * usable * scaling_efficiency **
+log2(usable)`, `usable` counting only whole model replicas of `min_replica_nodes`), the
+one model the config check and the scheduler's prior use too.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from gyre_slurm.config.schema import TrainingConfig
 
 
 def train_throughput(cfg: TrainingConfig, nodes: int) -> float:
-    usable = (nodes // cfg.min_replica_nodes) * cfg.min_replica_nodes
-    if usable <= 0:
-        return 0.0
-    return cfg.node_tokens_per_s * usable * cfg.scaling_efficiency ** math.log2(usable)
+    return cfg.throughput(nodes)
 
 
 @dataclass
