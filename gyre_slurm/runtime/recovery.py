@@ -314,22 +314,23 @@ class Recovery:
             results = await asyncio.gather(*(
                 c.health(timeout_s=faults.engine_health_timeout_s) for _, _, c in checks),
                 return_exceptions=True)
+            loads, pending = self.gateway.server_load(), self.wsync_pending()
             for (cell, sid, _), res in zip(checks, results):
                 if not self._watched(cell) or sid not in job.engine_clients.get(cell, {}):
                     continue  # a handoff, a restart or a failure began meanwhile
-                load = self.gateway.server_load().get(str(sid), {})
-                syncing = isinstance(res, dict) and res.get("status") == "syncing"
+                suspect = bool(loads.get(str(sid), {}).get("suspect"))
                 ok, slow_now = health_verdict(
-                    res, syncing_ok=syncing and sid in self.wsync_pending(),
-                    suspect=bool(load.get("suspect")),
+                    res, syncing_ok=sid in pending, suspect=suspect,
                     answered_recently=self.gateway.answered_within(
                         str(sid), window, new_grace_s=faults.engine_start_grace_s))
-                if slow_now and sid not in slow:
+                if not slow_now:
+                    slow.discard(sid)
+                elif sid not in slow:
+                    slow.add(sid)
                     log.info("engine %s: health check unanswered in time but it answers "
                              "generations: slow, not hung", sid)
-                slow = slow | {sid} if slow_now else slow - {sid}
                 strikes[sid] = 0 if ok else strikes.get(sid, 0) + 1
-                if ok and load.get("suspect"):
+                if ok and suspect:
                     self.gateway.trust_server(str(sid))  # it answers: route to it again
                 if strikes[sid] >= faults.engine_strikes:
                     strikes[sid] = 0
