@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre_slurm.common.fsio import BadLine, parse_jsonl
+from gyre_slurm.errors import UserError
 
 FAILURE_KINDS = ("agent_lost", "handoff_failed")
 WINDOW_S = 60.0
@@ -263,14 +264,14 @@ def busy(snap: Snapshot, segs: list, span_s: float) -> dict:
 
 def cell_capacity(run_dir: Path) -> int | None:
     """Runs a rollout cell serves (`GyreConfig.cell_capacity`), from the run dir's config."""
-    import yaml
+    from gyre_slurm.common.yamltext import read_yaml
 
     try:
-        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        cfg = read_yaml(run_dir / "config.yaml", what="the run dir's config.yaml")
         if "runtime" in cfg:  # a run dir of the older config layout
             return int(cfg["runtime"]["runs_per_cell"])
         return int(cfg["rollout"]["runs_per_node"]) * int(cfg["cluster"]["cell_nodes"])
-    except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError, RecursionError):
+    except (OSError, ValueError, TypeError, KeyError, UserError):
         return None
 
 
