@@ -40,6 +40,16 @@ def slurm_cluster(request):
     yield from pytest_fixtures.slurm_cluster(request)
 
 
+@pytest.fixture(autouse=True)
+def _slurm_cluster_whole(request):
+    """Before each test on the local Slurm cluster: a slurmd that stopped during an earlier
+    test (slurmd 22.05.8 can abort when jobs launch at once on a node) is started again."""
+    if "slurm_cluster" in request.fixturenames:
+        from gyre_slurm.slurm import pytest_fixtures
+
+        pytest_fixtures.ensure_up(request.getfixturevalue("slurm_cluster"))
+
+
 def _role_python(role: str) -> str:
     """The interpreter of a role's environment, built on first use (tools/role-env):
     never skipped, so CI exercises the real engines."""

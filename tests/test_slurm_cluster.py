@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -225,6 +226,43 @@ def test_a_second_cluster_runs_beside_the_shared_one(slurm_cluster, open_dir):
         second.down()
     assert "tnode1" not in HOSTS_FILE.read_text()
     assert "node1" in HOSTS_FILE.read_text() and slurm_cluster.is_up()
+    assert processes_naming(second.state_dir) == []
+
+
+def test_up_starts_a_stopped_slurmd_again_and_leaves_the_jobs_running(slurm_cluster, open_dir):
+    """Debian's slurmd 22.05.8 can abort (free() in a thread's exit) when batch jobs launch at
+    once on a node. `up` on that cluster starts only the stopped slurmd: the controller, the
+    other nodes and their jobs go on (a whole restart would cancel every job)."""
+    second = LocalCluster(open_dir / "heal", num_nodes=2, ctld_port=16847,
+                          node_port_base=17300, node_prefix="hnode", addr_prefix="127.0.13.")
+    argv = ["--nodes", "2", "--state-dir", str(second.state_dir), "--ctld-port", "16847",
+            "--port-base", "17300", "--node-prefix", "hnode", "--addr-prefix", "127.0.13."]
+    try:
+        assert second.up(timeout_s=60)
+        ctld = second._daemon_pid("slurmctld")
+        job_id = subprocess.run(
+            ["sbatch", "--parsable", "-w", "hnode1", f"--chdir={open_dir}", "--wrap", "sleep 120"], env=second.env(),
+            capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+        wait_for(lambda: subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"],
+                                        env=second.env(), capture_output=True, text=True,
+                                        timeout=30).stdout.strip() == "RUNNING",
+                 timeout_s=60, what="the job on hnode1 to run")
+        os.kill(second._daemon_pid("slurmd-hnode2"), signal.SIGABRT)
+        wait_for(lambda: not second.is_up(), timeout_s=10, what="slurmd-hnode2 to die")
+        up = subprocess.run([sys.executable, str(ROOT / "tools" / "localslurm"), "up", *argv],
+                            capture_output=True, text=True, timeout=90, check=False)
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "already running (slurmd had stopped on hnode2: restarted it there)" in up.stdout
+        assert second.is_up() and second._daemon_pid("slurmctld") == ctld
+        state = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=second.env(),
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+        assert state == "RUNNING"
+        out = subprocess.run(["srun", "-w", "hnode2", "-N1", "hostname"], env=second.env(),
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+        assert out.strip() == "hnode2"
+        assert second.up(timeout_s=10) is False and second.restarted == []
+    finally:
+        second.down()
     assert processes_naming(second.state_dir) == []
 
 

@@ -21,7 +21,8 @@ Known not to work: sacct and anything else needing slurmdbd (tools such as submi
 "Bypassing sacct error"); `scontrol ... --json` (not in 22.05); cgroup confinement
 (proctrack/linuxproc + task/none: steps are not fenced to their CPUs or memory); real GPUs;
 timed signals (`--signal=B:USR2@T`) arrive up to ~30 s late (slurmctld's limit check period):
-send signals with `scancel --signal`. `up` with another node count restarts the cluster.
+send signals with `scancel --signal`. `up` with another node count restarts the cluster;
+`up` on a running cluster whose slurmd stopped on some nodes starts only those again.
 
 A second cluster beside the first (the shared test cluster keeps running): its own state
 dir, slurmctld port and slurmd ports, node names and loopback addresses, e.g.
@@ -189,6 +190,7 @@ class LocalCluster:
         self.node_prefix, self.addr_prefix = node_prefix, addr_prefix
         self.nodes = [f"{node_prefix}{n}" for n in range(1, num_nodes + 1)]
         self._spawned: list[str] = []  # daemons the current `up` has started
+        self.restarted: list[str] = []  # nodes whose stopped slurmd the last `up` restarted
 
     @property
     def conf_path(self) -> Path:
@@ -250,9 +252,16 @@ class LocalCluster:
 
     def up(self, timeout_s: float = 60.0) -> bool:
         """Start the cluster and wait until every node is idle. Returns False if it was already
-        up (nothing done), True if started. A half-started cluster is stopped on failure."""
+        up, True if started. A half-started cluster is stopped on failure. A running cluster
+        with some slurmd stopped gets only those started again (listed in `restarted`; its
+        jobs keep running) and counts as already up."""
+        self.restarted = []
         with self._locked():
             if self.is_up():
+                return False
+            dead = self._dead_slurmds()
+            if dead:  # the cluster runs but some slurmd stopped: start only those
+                self._restart_slurmds(dead, time.monotonic() + timeout_s)
                 return False
             ensure_packages()
             self._stop_daemons()  # leftovers of a half-dead cluster in this state dir
@@ -271,6 +280,49 @@ class LocalCluster:
                 raise
             return True
 
+    def _dead_slurmds(self) -> list[str]:
+        """The nodes whose slurmd stopped while munged and slurmctld still run with this
+        cluster's config (Debian's slurmd 22.05.8 can abort in a thread's free() when batch
+        jobs launch at once on a node; a core file lands in log/). Empty when the cluster is
+        down, or when its config is not this cluster's (another node count: restart all)."""
+        if not (self._daemon_pid("munged") and self._daemon_pid("slurmctld")):
+            return []
+        with contextlib.suppress(OSError):
+            if self.conf_path.read_text() != self._conf_text():
+                return []
+        return [n for n in self.nodes if not self._daemon_pid(f"slurmd-{n}")]
+
+    def _restart_slurmds(self, nodes: list[str], deadline: float) -> None:
+        """Start the slurmd of `nodes` again, leaving munged, slurmctld, the other nodes and
+        every job running; wait until slurmctld has each of them back (ReturnToService=2)."""
+        log.warning("slurmd stopped on %s: starting it again (see %s/log/slurmd-NODE.log; "
+                    "the running cluster and its jobs are left alone)",
+                    ",".join(nodes), self.state_dir)
+        self._spawned = []
+        with open(self.state_dir / "log" / "daemons.out", "a") as out:
+            for node in nodes:
+                self._spawn_slurmd(node, out)
+            for node in nodes:
+                self._wait_pid(f"slurmd-{node}", deadline)
+        states: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            out = self._query("sinfo", "-h", "-N", "-o", "%N %T")
+            states = dict(line.split()[:2] for line in out.splitlines() if " " in line)
+            # "idle*" etc.: slurmctld has not heard from the node yet
+            if all(states.get(n) in ("idle", "mixed", "allocated", "completing")
+                   for n in nodes):
+                self.restarted = list(nodes)
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"restarted slurmd not back in time: {states}; "
+                           f"see {self.state_dir}/log/")
+
+    def _spawn_slurmd(self, node: str, out) -> None:
+        script = f'hostname {node} && exec slurmd -N {node} -f "$1"'
+        self._spawn(f"slurmd-{node}",
+                    ["unshare", "--uts", "--", "sh", "-c", script, "sh", str(self.conf_path)],
+                    out)
+
     def _start(self, *, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         self._write_files()
@@ -286,9 +338,7 @@ class LocalCluster:
             self._spawn("slurmctld", ["slurmctld", "-c", "-f", conf], out)  # -c: no old jobs
             self._wait_pid("slurmctld", deadline)
             for node in self.nodes:
-                script = f'hostname {node} && exec slurmd -N {node} -f "$1"'
-                self._spawn(f"slurmd-{node}",
-                            ["unshare", "--uts", "--", "sh", "-c", script, "sh", conf], out)
+                self._spawn_slurmd(node, out)
             for node in self.nodes:
                 self._wait_pid(f"slurmd-{node}", deadline)
         self._wait_idle(deadline)
@@ -309,14 +359,17 @@ class LocalCluster:
         for dev in (s / "dev" / f"nvidia{i}" for i in range(GPUS_PER_NODE)):
             dev.unlink(missing_ok=True)
             dev.symlink_to("/dev/null")  # slurmd wants a device: a regular file is refused
-        _write(self.conf_path, render_slurm_conf(
-            state_dir=s, num_nodes=self.num_nodes, ctld_port=self.ctld_port,
-            node_port_base=self.node_port_base, node_prefix=self.node_prefix,
-            addr_prefix=self.addr_prefix,
-            cluster_name="gyre" if self.node_prefix == "node" else f"gyre{self.node_prefix}"))
+        _write(self.conf_path, self._conf_text())
         _write(s / "etc" / "gres.conf",
                f"AutoDetect=off\nNodeName={self.node_prefix}[1-{self.num_nodes}] Name=gpu "
                f"File={s}/dev/nvidia[0-{GPUS_PER_NODE - 1}]\n")
+
+    def _conf_text(self) -> str:
+        return render_slurm_conf(
+            state_dir=self.state_dir, num_nodes=self.num_nodes, ctld_port=self.ctld_port,
+            node_port_base=self.node_port_base, node_prefix=self.node_prefix,
+            addr_prefix=self.addr_prefix,
+            cluster_name="gyre" if self.node_prefix == "node" else f"gyre{self.node_prefix}")
 
     def _spawn(self, name: str, argv: list[str], out) -> None:
         """Run a self-daemonizing command; it returns once the daemon has forked."""

@@ -12,6 +12,11 @@ It yields a running `LocalCluster` (4 nodes, state dir `$GYRE_SLURM_STATE` or
 (not root, no unshare, no packages and no apt-get) the tests are skipped, except when `CI` is
 set: then they fail, because CI must run the Slurm tier.
 
+Each test: `ensure_up(cluster)`, called before every test that uses the cluster (an autouse
+fixture in the suite's conftest), starts again a slurmd that stopped during an earlier test
+(Debian's slurmd 22.05.8 can abort when batch jobs launch at once on a node), so one crash
+does not fail the tests after it.
+
 Sharing: a cluster already up in the state dir (started by `tools/localslurm up` or by another
 test session) is reused. Each session holds a shared flock on STATE/users.lock while it runs;
 at its end, the session that can take that lock exclusively (the last user) stops the cluster,
@@ -56,12 +61,20 @@ def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     with open(cluster.state_dir / "users.lock", "a") as users:
         fcntl.flock(users, fcntl.LOCK_SH)
         try:
-            if cluster.up(timeout_s=UP_TIMEOUT_S):
-                owner_file.write_text(OWNER + "\n")
+            ensure_up(cluster)
             yield cluster
         finally:
             fcntl.flock(users, fcntl.LOCK_UN)
             _stop_if_last(cluster, users, owner_file)
+
+
+def ensure_up(cluster: LocalCluster) -> None:
+    """Start the cluster if it is down (then this session owns it), or start again each
+    slurmd that stopped; a running, whole cluster is left as it is."""
+    if cluster.up(timeout_s=UP_TIMEOUT_S):
+        (cluster.state_dir / "run" / "owner").write_text(OWNER + "\n")
+    elif cluster.restarted:
+        log.warning("slurmd had stopped on %s: started it again", ",".join(cluster.restarted))
 
 
 def _stop_if_last(cluster: LocalCluster, users, owner_file) -> None:
