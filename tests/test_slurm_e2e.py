@@ -155,6 +155,20 @@ def test_a_sim_sweep_runs_as_a_job_array(slurm_cluster, tmp_path):
     assert scripts and "#SBATCH --array=0-1" in scripts[0].read_text()
 
 
+def test_a_sweep_sbatch_refuses_is_a_clear_error(slurm_cluster, tmp_path):
+    """sbatch's refusal (here: no such partition) is the user's to fix: exit 2 quoting
+    sbatch, not a traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "gyre_slurm", "sim", "--preset", "small", "--no-ablations",
+         "--sweep", "seed=1,2", "--slurm", "--slurm-dir", str(tmp_path / "array"),
+         "--slurm-arg", "partition=nosuchpartition"],
+        cwd=ROOT, env=dict(slurm_cluster.env(), PYTHONPATH=str(ROOT)), capture_output=True,
+        text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "gyre sim: error: sbatch refused the job" in proc.stderr
+    assert "invalid partition" in proc.stderr.lower() and "Traceback" not in proc.stderr
+
+
 def test_sbatch_runs_vllm_and_megatron(slurm_cluster, tmp_path):
     """`sbatch sbatch/gyre.sbatch` with rollout.engine: vllm and trainer.backend: megatron
     (configs/tiny-vllm-megatron.yaml, shortened): the node agents of the Slurm step start

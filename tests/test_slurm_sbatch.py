@@ -3,6 +3,10 @@
 import subprocess
 from pathlib import Path
 
+import pytest
+
+from gyre_slurm.errors import UserError
+from gyre_slurm.sim.array import slurm_parameters
 from gyre_slurm.slurm.submit import GYRE_ROOT, SBATCH_FILE, sbatch_parameters
 
 GOLDEN_DIRECTIVES = [
@@ -53,3 +57,64 @@ def test_submit_refuses_a_node_count_the_config_does_not_have(gyre, tmp_path):
     proc = gyre("submit", "configs/tiny.yaml", "--nodes", "8", "--run-dir", str(tmp_path / "r"),
                 check=False)
     assert proc.returncode == 2 and "cluster.num_nodes is 4" in proc.stderr
+
+
+def _params(run_dir="/lustre/runs/r1", extra=(), **kw):
+    args = dict(config=Path("/c/tiny.yaml"), run_dir=Path(run_dir), nodes=4, time_limit=None,
+                partition=None, gpus_per_node=None, extra=list(extra))
+    args.update(kw)
+    return sbatch_parameters(**args)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--qos=high\necho injected"], r"control character '\\n'"),
+    (["--mail-user=a\rb"], "control character"),
+    (["--comment=mine"], "gyre status finds the run dir by the job's comment"),
+    (["--output=/tmp/x.out"], "RUN_DIR/logs/slurm-%j.out"),
+    (["--sig=USR1@60"], "gyre sets --signal itself"),  # sbatch takes a prefix
+    (["--export=NONE"], "the job needs GYRE_ROOT"),
+    (["--no-requeue"], "requeued and resumes"),
+    (["--array=0-3"], "a run dir holds one job"),
+    (["--nodes=8"], "use --nodes"),
+    (["--time=10"], "use --time"),
+    (["--job-name=x"], "use --run-dir"),
+    (["qos=high"], "give one long sbatch option"),
+    (["--=x"], "give one long sbatch option"),
+    (["--q os=high"], "give one long sbatch option"),
+    (["--qos=a", "--qos=b"], "given twice"),
+])
+def test_sbatch_args_that_would_break_the_job_are_refused(extra, message):
+    """A newline would end the #SBATCH line and run the rest as a shell command; an option
+    gyre sets (the comment the monitor reads, the log, the USR2 warning, requeue, the
+    environment) would silently break status, logs or resume."""
+    with pytest.raises(UserError, match=message):
+        _params(extra=extra)
+
+
+def test_sbatch_args_gyre_does_not_set_pass_as_given():
+    add = _params(extra=["--qos=high", "--hold", "--gpus=8", "--mail-user=a b",
+                         "--dependency=afterok:7"])["additional_parameters"]
+    assert {k: add[k] for k in ("qos", "hold", "gpus", "mail-user", "dependency")} == {
+        "qos": "high", "hold": True, "gpus": "8", "mail-user": "a b",
+        "dependency": "afterok:7"}
+
+
+def test_paths_and_flags_written_into_the_batch_file_are_checked():
+    with pytest.raises(UserError, match="the run dir .* control character"):
+        _params(run_dir="/lustre/runs/a\necho injected")
+    with pytest.raises(UserError, match="--partition .* control character"):
+        _params(partition="gpu\n#SBATCH --qos=x")
+    # a literal % in the run dir stays one in the log's path (Slurm's file name pattern)
+    assert _params(run_dir="/lustre/100%x")["additional_parameters"]["output"] == \
+        "/lustre/100%%x/logs/slurm-%j.out"
+
+
+@pytest.mark.parametrize("arg, message", [
+    ('partition="cpu\\necho injected"', "control character"),
+    ("partition=[a, b]", "partition takes one value, not a list"),
+    ('additional_parameters={qos: "a\\nb"}', "control character"),
+    ("partition", "expected KEY=VALUE"),
+])
+def test_sim_slurm_args_that_would_break_the_batch_file_are_refused(arg, message):
+    with pytest.raises(UserError, match=message):
+        slurm_parameters([arg])

@@ -19,8 +19,10 @@ from typing import Any
 
 from gyre_slurm.common.yamltext import load_yaml
 from gyre_slurm.errors import UserError
-from gyre_slurm.slurm.submit import slurm_executor
+from gyre_slurm.slurm.submit import (check_slurm_text, sbatch_refusal_is_a_user_error,
+                                     slurm_executor)
 
+NESTED = ("additional_parameters", "setup", "srun_args")  # submitit's dict/list parameters
 DEFAULTS: dict[str, Any] = {"time": 60, "ntasks_per_node": 1, "cpus_per_task": 1,
                             "job_name": "gyre-sim-sweep"}
 
@@ -32,19 +34,38 @@ def slurm_parameters(args: list[str]) -> dict[str, Any]:
         key, sep, value = arg.partition("=")
         if not sep or not key.strip():
             raise UserError(f"--slurm-arg {arg!r}: expected KEY=VALUE, e.g. partition=cpu")
-        params[key.strip()] = load_yaml(value, what=f"--slurm-arg {arg!r}") \
-            if value.strip() else ""
+        value = load_yaml(value, what=f"--slurm-arg {arg!r}") if value.strip() else ""
+        if isinstance(value, (dict, list)) and key.strip() not in NESTED:
+            raise UserError(f"--slurm-arg {arg!r}: {key.strip()} takes one value, not a "
+                            f"{type(value).__name__}")
+        _check_text(f"--slurm-arg {key.strip()}", value)
+        params[key.strip()] = value
     return params
+
+
+def _check_text(what: str, value: Any) -> None:
+    """Every string in `value` is written into the batch file: no control characters."""
+    if isinstance(value, str):
+        check_slurm_text(what, value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(what, str(k))
+            _check_text(what, v)
+    elif isinstance(value, list):
+        for v in value:
+            _check_text(what, v)
 
 
 def sweep_on_slurm(path: Path, *, name: str, key: str, values: list[str],
                    overrides: list[str], ablations: bool, folder: Path,
                    slurm_args: list[str] | None = None) -> list[dict]:
+    check_slurm_text("--slurm-dir", str(Path(folder).resolve()))
     executor = slurm_executor(Path(folder).resolve(), slurm_parameters(list(slurm_args or [])))
     path = Path(path).resolve()
-    jobs = executor.map_array(_point, [path] * len(values), [name] * len(values),
-                              [key] * len(values), values, [list(overrides)] * len(values),
-                              [ablations] * len(values))
+    n = len(values)
+    with sbatch_refusal_is_a_user_error():
+        jobs = executor.map_array(_point, [path] * n, [name] * n, [key] * n, values,
+                                  [list(overrides)] * n, [ablations] * n)
     points = []
     for value, job in zip(values, jobs):
         try:

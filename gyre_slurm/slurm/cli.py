@@ -16,7 +16,8 @@ def register(subparsers) -> None:
     p.add_argument("--partition")
     p.add_argument("--gpus-per-node", type=int)
     p.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
-                   help="passed to sbatch as is (repeatable), e.g. --sbatch-arg=--qos=high")
+                   help="another sbatch option (repeatable), e.g. --sbatch-arg=--qos=high; "
+                        "the options gyre sets itself are refused")
     p.set_defaults(func=run)
 
 

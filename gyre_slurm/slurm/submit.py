@@ -21,7 +21,9 @@ checks, runs, stops, requeues and resumes exactly as a hand-submitted one.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shlex
 import time
 from dataclasses import dataclass
@@ -66,11 +68,48 @@ class SubmittedJob:
         self.job.cancel(check=False)
 
 
+# sbatch options gyre's flags set (the flag to use instead).
+GYRE_FLAGS = {"nodes": "--nodes (it must agree with the config's cluster.num_nodes)",
+              "time": "--time", "partition": "--partition", "gpus-per-node": "--gpus-per-node",
+              "job-name": "--run-dir (the job is named gyre-<the run dir's name>)"}
+# sbatch options the job needs as gyre sets them (why).
+GYRE_OWNED = {
+    "comment": "gyre status finds the run dir by the job's comment",
+    "output": "the job's log is RUN_DIR/logs/slurm-%j.out", "error": "the log takes stderr too",
+    "open-mode": "the log is appended to across requeues",
+    "chdir": "the job runs from the gyre checkout", "export": "the job needs GYRE_ROOT",
+    "signal": "the job checkpoints on USR2 300 s before its time limit",
+    "requeue": "a preempted job is requeued and resumes",
+    "no-requeue": "a preempted job is requeued and resumes",
+    "ntasks-per-node": "the job runs one task per node", "exclusive": "cells are whole nodes",
+    "wrap": "the job is sbatch/gyre.sbatch", "array": "a run dir holds one job",
+}
+# Exact sbatch options that are also prefixes of the ones above (sbatch takes a prefix).
+SBATCH_OPTIONS_PREFIXING = {"gpus", "ntasks", "time", "nodes"}
+
+
+def check_slurm_text(what: str, value: str) -> None:
+    """A value written into the batch file: a newline (or another control character) would
+    end its #SBATCH line and make the rest a shell command, so it is refused."""
+    bad = next((c for c in value if ord(c) < 32 or ord(c) == 127), None)
+    if bad is not None:
+        raise UserError(f"{what} {value!r} holds the control character {bad!r}: Slurm's "
+                        f"batch file takes one line per option; remove it")
+
+
 def sbatch_parameters(*, config: Path, run_dir: Path, nodes: int, time_limit: str | None,
                       partition: str | None, gpus_per_node: int | None,
                       extra: list[str]) -> dict[str, Any]:
     """submitit's parameters of the batch file (pure: no Slurm needed)."""
+    for what, value in (("the config path", str(config)), ("the run dir", str(run_dir)),
+                        ("--time", time_limit or ""), ("--partition", partition or ""),
+                        ("GYRE_ROOT", str(GYRE_ROOT))):
+        check_slurm_text(what, value)
+    if "," in str(GYRE_ROOT):
+        raise UserError(f"GYRE_ROOT {str(GYRE_ROOT)!r} holds a comma, which sbatch's "
+                        f"--export cannot pass; use a checkout whose path has none")
     job = [str(SBATCH_FILE), str(config), str(run_dir)]
+    log_dir = str(run_dir).replace("%", "%%")  # a literal % in Slurm's file name pattern
     params: dict[str, Any] = {
         "job_name": f"gyre-{run_dir.name}", "nodes": nodes, "ntasks_per_node": 1,
         "exclusive": True, "time": time_limit or DEFAULT_TIME,
@@ -78,7 +117,7 @@ def sbatch_parameters(*, config: Path, run_dir: Path, nodes: int, time_limit: st
         "setup": [f"exec bash {shlex.join(job)}"],  # the batch shell becomes the script
         "additional_parameters": {
             "signal": f"B:USR2@{WARNING_S}", "requeue": True,
-            "output": f"{run_dir}/logs/slurm-%j.out", "chdir": str(GYRE_ROOT),
+            "output": f"{log_dir}/logs/slurm-%j.out", "chdir": str(GYRE_ROOT),
             "export": f"ALL,GYRE_ROOT={GYRE_ROOT}", **sbatch_flags(extra)},
     }
     if partition:
@@ -89,13 +128,27 @@ def sbatch_parameters(*, config: Path, run_dir: Path, nodes: int, time_limit: st
 
 
 def sbatch_flags(args: list[str]) -> dict[str, Any]:
-    """`--qos=high`, `--mail-user x`... as submitit's additional parameters."""
+    """`--qos=high`, `--hold`... as submitit's additional parameters. Refused: what is not
+    a long option, a control character (it would end the #SBATCH line), an option gyre
+    sets itself (its own flag, or why the job needs gyre's value), one given twice."""
     out: dict[str, Any] = {}
     for arg in args:
-        if not arg.startswith("--") or len(arg) < 3:
-            raise UserError(f"--sbatch-arg {arg!r}: give a long sbatch option, e.g. "
-                            f"--sbatch-arg=--qos=high")
         key, sep, value = arg[2:].partition("=")
+        if not arg.startswith("--") or not re.fullmatch(r"[a-z][a-z0-9-]*", key):
+            raise UserError(f"--sbatch-arg {arg!r}: give one long sbatch option, as "
+                            f"--sbatch-arg=--qos=high or --sbatch-arg=--hold")
+        check_slurm_text(f"--sbatch-arg --{key}", value)
+        owned = [o for o in (*GYRE_FLAGS, *GYRE_OWNED) if o == key or (
+            o.startswith(key) and key not in SBATCH_OPTIONS_PREFIXING)]
+        if owned:
+            o = owned[0]
+            raise UserError(
+                f"--sbatch-arg {arg!r}: gyre sets --{o} itself; use {GYRE_FLAGS[o]}"
+                if o in GYRE_FLAGS else
+                f"--sbatch-arg {arg!r}: gyre sets --{o} itself and the job needs its value "
+                f"({GYRE_OWNED[o]})")
+        if key in out:
+            raise UserError(f"--sbatch-arg --{key} is given twice; give it once")
         out[key] = value if sep else True
     return out
 
@@ -165,12 +218,20 @@ def _import_submitit():
 
 def submit_or_explain(executor, fn, *args):
     """`executor.submit(fn, *args)`; sbatch's refusal is the user's to fix."""
+    with sbatch_refusal_is_a_user_error():
+        return executor.submit(fn, *args)
+
+
+@contextlib.contextmanager
+def sbatch_refusal_is_a_user_error():
+    """submitit's error for an sbatch that refused the job (a bad option, no controller)
+    becomes a UserError that quotes sbatch."""
     from submitit.core.utils import FailedJobError, FailedSubmissionError
 
     try:
-        return executor.submit(fn, *args)
+        yield
     except (FailedJobError, FailedSubmissionError) as exc:
-        raise UserError(f"sbatch refused the job: {str(exc).strip()}") from None
+        raise UserError(f"sbatch refused the job: {str(exc).strip()[-2000:]}") from None
 
 
 @dataclass(frozen=True)
