@@ -40,8 +40,25 @@ def test_find_run_dir_without_slurm_is_a_clear_error(monkeypatch, tmp_path):
 def test_find_run_dir_of_a_job_slurm_does_not_know_is_a_clear_error(slurm_cluster, monkeypatch):
     # the local cluster's fixture installs Slurm first (a fresh machine has no scontrol)
     monkeypatch.setenv("SLURM_CONF", slurm_cluster.env()["SLURM_CONF"])
-    with pytest.raises(UserError, match="job 99999999"):
+    with pytest.raises(UserError, match="job 99999999: unknown to Slurm"):
         find_run_dir("99999999")
+
+
+def test_find_run_dir_when_slurm_cannot_be_asked_says_so(slurm_cluster, monkeypatch, tmp_path):
+    """A config scontrol cannot read is not an unknown job: the error says what to check."""
+    (tmp_path / "slurm.conf").write_text("NotASlurmKey=1\n")
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "slurm.conf"))
+    with pytest.raises(UserError, match=r"job 4242: scontrol could not ask Slurm \(is SLURM_CONF"):
+        find_run_dir("4242")
+
+
+@pytest.mark.parametrize("target, message", [
+    ("", "the argument is empty"), ("\u0661\u0662", "run dir \u0661\u0662 does not exist")])
+def test_gyre_status_of_an_empty_or_non_ascii_target_exits_2(target, message):
+    proc = subprocess.run([sys.executable, "-m", "gyre_slurm", "status", target, "--once"],
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
 def test_gyre_status_of_an_unknown_job_exits_2():

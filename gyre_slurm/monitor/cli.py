@@ -41,7 +41,10 @@ def register(subparsers) -> None:
 def resolve_target(target: str) -> Path:
     from gyre_slurm.monitor.slurm import find_run_dir
 
-    run_dir = find_run_dir(target) if target.isdigit() else Path(target)
+    if not target.strip():
+        raise UserError("give a run dir or a Slurm job id (the argument is empty)")
+    is_job = target.isascii() and target.isdigit()
+    run_dir = find_run_dir(target) if is_job else Path(target)
     if not run_dir.is_dir():
         raise UserError(f"run dir {run_dir} does not exist")
     return run_dir

@@ -47,10 +47,14 @@ def find_run_dir(jobid: str, *, timeout_s: float = 10.0) -> Path:
         proc = subprocess.run([scontrol, "show", "job", "-o", jobid], capture_output=True,
                               text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise UserError(f"job {jobid}: scontrol did not answer in {timeout_s:.0f}s") from None
+        raise UserError(f"job {jobid}: scontrol did not answer in {timeout_s:.0f}s (is "
+                        f"SLURM_CONF set, is slurmctld up?)") from None
     if proc.returncode != 0 or not proc.stdout.strip():
         msg = (proc.stderr or proc.stdout).strip() or f"exit {proc.returncode}"
-        raise UserError(f"job {jobid}: unknown to Slurm ({msg})")
+        if "invalid job id" in msg.lower():
+            raise UserError(f"job {jobid}: unknown to Slurm ({msg})")
+        raise UserError(f"job {jobid}: scontrol could not ask Slurm (is SLURM_CONF set, "
+                        f"is slurmctld up?): {msg[-1000:]}")
     path = parse_job_line(proc.stdout.strip().splitlines()[0])
     if path is None:
         raise UserError(f"job {jobid} has no Comment=gyre_run_dir=PATH; was it submitted "
