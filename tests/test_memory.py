@@ -94,3 +94,12 @@ def test_gyre_memory_prints_each_layout_the_world_allows(gyre, tmp_path):
     assert bad.returncode == 2 and "multiple of both" in bad.stderr
     missing = gyre("memory", str(tmp_path / "nope"), check=False)
     assert missing.returncode == 2 and "no config.json" in missing.stderr
+    for flags, message in ((["--gpu-gib", "nan"], "--gpu-gib must be"),
+                           (["--gpu-gib", "-1"], "--gpu-gib must be"),
+                           (["--ep", "0"], "--ep must be >= 1"),
+                           (["--rollout-tp", "0"], "--rollout-tp must be >= 1")):
+        proc = gyre("memory", str(tmp_path), *flags, check=False)
+        assert proc.returncode == 2 and message in proc.stderr, (flags, proc.stderr)
+    split = gyre("memory", str(tmp_path), "--world", "9", "--tp", "3", "--ep", "1", check=False)
+    assert split.returncode == 2 and "cannot split" in split.stderr
+    assert split.stdout == ""  # refused before any table is printed

@@ -50,6 +50,35 @@ def test_shape_refuses_what_it_cannot_train_faithfully(change, key):
         ModelShape.from_config({**QWEN3_MOE_30B, **change}, source="x/config.json")
 
 
+@pytest.mark.parametrize("change,message", [
+    ({"hidden_size": None}, "hidden_size is missing"),
+    ({"hidden_size": "2048"}, "hidden_size = '2048' must be a whole number"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers = 0 must be a whole number in 1.."),
+    ({"num_hidden_layers": 1.5}, "num_hidden_layers = 1.5"),
+    ({"vocab_size": True}, "vocab_size = True"),
+    ({"vocab_size": 1e308}, "vocab_size = 1e[+]308"),
+    ({"num_attention_heads": []}, "num_attention_heads = \\[\\]"),
+    ({"num_key_value_heads": 5}, "not a multiple of num_key_value_heads 5"),
+    ({"rope_theta": float("nan")}, "rope_theta = nan must be a number"),
+    ({"rms_norm_eps": -1}, "rms_norm_eps = -1"),
+    ({"max_position_embeddings": {}}, "max_position_embeddings = {}"),
+    ({"num_experts": 2**63}, "num_experts = 9223372036854775808"),
+    ({"num_experts_per_tok": 0}, "num_experts_per_tok = 0"),
+    ({"moe_intermediate_size": None}, "moe_intermediate_size is missing"),
+    ({"norm_topk_prob": "yes"}, "norm_topk_prob = 'yes' must be true or false"),
+    ({"architectures": "Qwen3MoeForCausalLM"}, "must be a list of names"),
+    ({"model_type": ["llama"], "architectures": []}, "supports"),
+    ({"rope_scaling": "yarn"}, "rope_scaling = 'yarn': must be an object"),
+])
+def test_shape_names_the_key_of_a_malformed_config(change, message):
+    """A hand-edited or garbled config.json is a ValueError naming the key and the value
+    (it was a KeyError, TypeError, OverflowError or ZeroDivisionError from deep inside)."""
+    with pytest.raises(ValueError, match=message):
+        ModelShape.from_config({**QWEN3_MOE_30B, **change}, source="x/config.json")
+    with pytest.raises(ValueError, match="a model config is a JSON object, not list"):
+        ModelShape.from_config([QWEN3_MOE_30B], source="x/config.json")
+
+
 def test_shape_without_config_says_what_a_model_dir_holds(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         ModelShape.from_model_dir(tmp_path)

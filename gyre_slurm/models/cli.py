@@ -13,6 +13,7 @@ from gyre_slurm.common.fsio import loads_json
 from gyre_slurm.errors import UserError
 
 GIB = 1 << 30
+MAX_GPU_GIB = 1 << 20  # a GiB count beyond any device (a typo, or not a number)
 
 
 def register(subparsers) -> None:
@@ -78,10 +79,15 @@ def rows(shape, args) -> list[tuple[str, dict[str, int]]]:
 def memory(args: argparse.Namespace) -> int:
     from gyre_slurm.models.memory import rollout_gpu_bytes
 
-    for name in ("world", "tp", "pp", "ranks_per_node", "microbatch_tokens"):
-        if getattr(args, name) < 1:
+    for name in ("world", "tp", "pp", "ranks_per_node", "microbatch_tokens", "ep",
+                 "rollout_tp"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 < args.gpu_gib <= MAX_GPU_GIB:  # also NaN
+        raise UserError(f"--gpu-gib must be a GPU's memory in GiB, in (0, {MAX_GPU_GIB}], "
+                        f"not {args.gpu_gib}")
     shape = _shape(args.model)
+    layouts = rows(shape, args)  # a layout the model cannot take fails before any output
     n = shape.num_params()
     print(f"{shape.family}: {n['total'] / 1e9:.2f}B parameters ({n['expert'] / 1e9:.2f}B in "
           f"experts), {shape.num_layers} layers, hidden {shape.hidden_size}")
@@ -92,7 +98,7 @@ def memory(args: argparse.Namespace) -> int:
     print(f"  {'layout':<22}{'params':>9}" + "".join(f"{c:>12}" for c in cols)
           + f"{'per node':>11}")
     per_node = min(args.ranks_per_node, args.world)
-    for label, b in rows(shape, args):
+    for label, b in layouts:
         print(f"  {label:<22}{b['params'] / 1e9:>8.2f}B"
               + "".join(f"{b[c] / GIB:>12.2f}" for c in cols)
               + f"{per_node * b['total'] / GIB:>11.1f}")

@@ -80,26 +80,38 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg: dict, *, source: str = "config.json") -> ModelShape:
-        """From a config.json's contents; ValueError naming the key for what is refused."""
+        """From a config.json's contents; ValueError naming the key for what is refused
+        (a key missing, of the wrong type or out of range, or a model gyre cannot train)."""
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{source}: a model config is a JSON object, not "
+                             f"{type(cfg).__name__}")
         family = _family(cfg, source)
         _refuse_unsupported(cfg, family, source)
-        heads = int(cfg["num_attention_heads"])
-        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta")
+        num = _Reader(cfg, source)
+        heads = num.int("num_attention_heads")
+        hidden = num.int("hidden_size")
+        kv_heads = num.int("num_key_value_heads", default=heads)
+        if heads % kv_heads:
+            raise ValueError(f"{source}: num_attention_heads {heads} is not a multiple of "
+                             f"num_key_value_heads {kv_heads}")
+        head_dim = num.int("head_dim", default=hidden // heads if hidden >= heads else None)
+        theta = cfg.get("rope_theta")
+        if theta is None and isinstance(cfg.get("rope_parameters"), dict):
+            theta = cfg["rope_parameters"].get("rope_theta")
         moe = family == "qwen3_moe"
-        return cls(family=family, vocab_size=int(cfg["vocab_size"]),
-                   hidden_size=int(cfg["hidden_size"]),
-                   ffn_hidden_size=int(cfg.get("intermediate_size") or 0),
-                   num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
-                   num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                   head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-                   rope_theta=float(theta or 10000.0),
-                   rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                   max_positions=int(cfg.get("max_position_embeddings", 4096)),
-                   pad_token_id=int(cfg.get("pad_token_id") or 0),
-                   num_experts=_num_experts(cfg) if moe else 0,
-                   moe_top_k=int(cfg.get("num_experts_per_tok") or 0) if moe else 0,
-                   moe_ffn_hidden_size=int(cfg.get("moe_intermediate_size") or 0) if moe else 0,
-                   norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
+        return cls(family=family, vocab_size=num.int("vocab_size"), hidden_size=hidden,
+                   ffn_hidden_size=num.int("intermediate_size", default=0, lo=0 if moe else 1),
+                   num_layers=num.int("num_hidden_layers"), num_heads=heads,
+                   num_kv_heads=kv_heads, head_dim=head_dim,
+                   rope_theta=num.float("rope_theta", theta, default=10000.0),
+                   rms_norm_eps=num.float("rms_norm_eps", cfg.get("rms_norm_eps"),
+                                          default=1e-6, hi=1.0),
+                   max_positions=num.int("max_position_embeddings", default=4096),
+                   pad_token_id=num.int("pad_token_id", default=0, lo=0),
+                   num_experts=_num_experts(cfg, source) if moe else 0,
+                   moe_top_k=num.int("num_experts_per_tok") if moe else 0,
+                   moe_ffn_hidden_size=num.int("moe_intermediate_size") if moe else 0,
+                   norm_topk_prob=num.bool("norm_topk_prob", default=True))
 
     def check_layout(self, tp_size: int, pp_size: int, ep_size: int = 1) -> None:
         """ValueError unless this model can be split over TP x PP (x EP for experts)."""
@@ -142,15 +154,59 @@ class ModelShape:
                 "embedding": embedding}
 
 
-def _num_experts(cfg: dict) -> int:
+MAX_DIM = (1 << 31) - 1  # a size beyond any model (and beyond Megatron's int32 shapes)
+_REQUIRED = object()
+
+
+class _Reader:
+    """A config's numbers, each checked: an int (not a bool, not 1.5) in [lo, hi], or a
+    finite float in (0, hi]; the error names the key and the value."""
+
+    def __init__(self, cfg: dict, source: str) -> None:
+        self.cfg, self.source = cfg, source
+
+    def int(self, key: str, *, default=_REQUIRED, lo: int = 1, hi: int = MAX_DIM) -> int:
+        value = self.cfg.get(key)
+        if value is None:
+            if default is _REQUIRED or default is None:
+                raise ValueError(f"{self.source}: {key} is missing (a whole number >= {lo})")
+            return default
+        if isinstance(value, float) and value.is_integer() and abs(value) <= hi:
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise ValueError(f"{self.source}: {key} = {value!r} must be a whole number in "
+                             f"{lo}..{hi}")
+        return value
+
+    def float(self, key: str, value, *, default: float, hi: float = 1e12) -> float:
+        if value is None:
+            return default
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok or not 0 < value <= hi:  # also NaN
+            raise ValueError(f"{self.source}: {key} = {value!r} must be a number in (0, {hi:g}]")
+        return float(value)
+
+    def bool(self, key: str, *, default: bool) -> bool:
+        value = self.cfg.get(key, default)
+        if not isinstance(value, bool):
+            raise ValueError(f"{self.source}: {key} = {value!r} must be true or false")
+        return value
+
+
+def _num_experts(cfg: dict, source: str) -> int:
     """Published Qwen3-MoE configs say num_experts; transformers 5 writes num_local_experts."""
-    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    key = "num_experts" if cfg.get("num_experts") is not None else "num_local_experts"
+    return _Reader(cfg, source).int(key)
 
 
 def _family(cfg: dict, source: str) -> str:
     archs = cfg.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"{source}: architectures = {archs!r} must be a list of names, "
+                         f"e.g. [\"LlamaForCausalLM\"]")
     family = next((FAMILIES[a] for a in archs if a in FAMILIES), None)
-    family = family or MODEL_TYPES.get(cfg.get("model_type", ""))
+    model_type = cfg.get("model_type", "")
+    family = family or (MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None)
     if family is None:
         raise ValueError(f"{source}: architectures {archs} / model_type "
                          f"{cfg.get('model_type')!r}: gyre's Megatron backend supports "
@@ -166,6 +222,8 @@ def _refuse_unsupported(cfg: dict, family: str, source: str) -> None:
         refuse("tie_word_embeddings", "tied input and output embeddings are not supported "
                "(the checkpoint needs its own lm_head.weight)")
     scaling = cfg.get("rope_scaling") or None
+    if scaling is not None and not isinstance(scaling, dict):
+        refuse("rope_scaling", "must be an object (or null)")
     if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
         refuse("rope_scaling", "only plain RoPE is supported")
     if family != "qwen2" and cfg.get("attention_bias", False):
@@ -175,16 +233,14 @@ def _refuse_unsupported(cfg: dict, family: str, source: str) -> None:
         refuse("mlp_bias", "biases on the MLP are not supported")
     if family != "qwen3_moe":
         return
-    if int(cfg.get("decoder_sparse_step", 1)) != 1:
+    num = _Reader(cfg, source)
+    if num.int("decoder_sparse_step", default=1, lo=0) != 1:
         refuse("decoder_sparse_step", "every layer must be a mixture-of-experts layer "
                "(decoder_sparse_step 1)")
     if cfg.get("mlp_only_layers"):
         refuse("mlp_only_layers", "dense layers among the MoE layers are not supported")
-    if int(cfg.get("shared_expert_intermediate_size") or 0):
+    if num.int("shared_expert_intermediate_size", default=0, lo=0):
         refuse("shared_expert_intermediate_size", "shared experts are not supported")
-    experts, top_k = _num_experts(cfg), int(cfg.get("num_experts_per_tok") or 0)
-    if not 0 < top_k <= experts:
-        raise ValueError(f"{source}: num_experts_per_tok {top_k} must be in 1..num_experts "
-                         f"({experts})")
-    if not int(cfg.get("moe_intermediate_size") or 0):
-        refuse("moe_intermediate_size", "must be > 0")
+    experts = _num_experts(cfg, source)
+    num.int("num_experts_per_tok", hi=experts)  # 1..num_experts
+    num.int("moe_intermediate_size")
