@@ -176,3 +176,47 @@ def test_a_truncated_shard_is_named(tmp_path):
     shard.write_bytes(shard.read_bytes()[:-10])
     with pytest.raises(tiny.CorruptWeights, match="00002-of-00002.safetensors.*truncated"):
         tiny.verify_weights(src)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"model.norm.weight": 5}, "weight_map must map each tensor name"),
+    ({"model.norm.weight": "../outside.safetensors"}, "shards outside its directory"),
+    ({"model.norm.weight": "/abs/model-00001-of-00002.safetensors"}, "outside its directory"),
+    ({"model.norm.weight": "sub/model-00001-of-00002.safetensors"}, "outside its directory"),
+    ({"model.layers.9.bogus": "model-00001-of-00002.safetensors"},
+     "places 1 tensor.* in model-00001-of-00002.safetensors, which does not hold them"),
+])
+def test_an_index_that_names_shards_wrongly_is_refused_before_loading(tmp_path, change,
+                                                                       message):
+    """A safetensors index is outside input: a shard path leading out of the directory
+    (read, or linked as a dangling file into a run), a shard that lacks what the index
+    places there (a SafetensorError deep in a trainer), a non-string entry (a TypeError)
+    are each a ValueError naming the index, at import and at load."""
+    from gyre_slurm.models.weights import import_model_dir
+
+    src = tiny.make_model_dir(tmp_path / "hf", family="qwen3")
+    tiny.save_weights_into(tiny.new_model(src, seed=0), src, shards=2)
+    index = src / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"].update(change)
+    index.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=message):
+        import_model_dir(src, tmp_path / "run" / "model", tmp_path / "run" / "w0")
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match=message):
+        tiny.load_weights(tiny.new_model(src, seed=1), src)
+    data["weight_map"] = [1, 2]
+    index.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="weight_map must map"):
+        tiny.verify_weights(src)
+
+
+def test_a_garbled_single_weights_file_is_a_value_error(tmp_path):
+    from gyre_slurm.models.weights import import_model_dir, weight_files
+
+    src = tiny.make_model_dir(tmp_path / "hf", family="llama")
+    (src / "model.safetensors").write_bytes(b"not a safetensors file at all")
+    with pytest.raises(ValueError, match="model.safetensors: not a whole safetensors file"):
+        weight_files(src)
+    with pytest.raises(ValueError, match="model.safetensors"):
+        import_model_dir(src, tmp_path / "run" / "model", tmp_path / "run" / "w0")

@@ -221,16 +221,23 @@ def verify_weights(weights_dir: str | Path) -> Path:
     index = Path(weights_dir) / INDEX
     if index.is_file():
         try:
-            files = sorted(set(weight_files(weights_dir).values()))
+            listed = weight_files(weights_dir)
         except ValueError as exc:
             raise CorruptWeights(str(exc)) from None
-        for f in files:
-            _verify_file(f)
+        for f in sorted(set(listed.values())):
+            held = _verify_file(f)
+            absent = sorted(name for name, g in listed.items() if g == f and name not in held)
+            if absent:
+                raise CorruptWeights(f"{index} places {len(absent)} tensor(s) in {f.name}, "
+                                     f"which does not hold them: {absent[:3]}")
         return index
-    return _verify_file(Path(weights_dir) / WEIGHTS_FILE)
+    path = Path(weights_dir) / WEIGHTS_FILE
+    _verify_file(path)
+    return path
 
 
-def _verify_file(path: Path) -> Path:
+def _verify_file(path: Path) -> set[str]:
+    """The tensor names of a whole safetensors file (see verify_weights)."""
     import struct
 
     try:
@@ -255,14 +262,14 @@ def _verify_file(path: Path) -> Path:
     try:
         end = max((int(t["data_offsets"][1]) for k, t in header.items()
                    if k != "__metadata__"), default=0)
-    except (TypeError, KeyError, ValueError, IndexError) as exc:
+    except (TypeError, KeyError, ValueError, IndexError, AttributeError) as exc:
         raise CorruptWeights(f"{path}: garbled safetensors header ({exc!r})") from None
     want = 8 + n + end
     if size != want:
         raise CorruptWeights(f"{path}: {size} bytes but its header describes {want} "
                              f"(truncated at byte offset {size})" if size < want else
                              f"{path}: {size} bytes but its header describes {want}")
-    return path
+    return {k for k in header if k != "__metadata__"}
 
 
 def load_weights(model, weights_dir: str | Path) -> None:

@@ -27,6 +27,15 @@ def weight_files(model_dir: str | Path) -> dict[str, Path]:
             weight_map = loads_json(index.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{index}: not a safetensors index ({exc!r})") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise ValueError(f"{index}: weight_map must map each tensor name to the name of "
+                             f"its shard file (strings)")
+        outside = sorted({f for f in weight_map.values()
+                          if f in ("", ".", "..") or "/" in f or "\\" in f})
+        if outside:  # a shard is a file beside the index, as every published model has it
+            raise ValueError(f"{index} lists shards outside its directory: {outside[:3]}; "
+                             f"each shard must be a file name beside the index")
         files = {name: model_dir / f for name, f in weight_map.items()}
         missing = sorted({str(f) for f in files.values() if not f.is_file()})
         if missing:
@@ -36,10 +45,13 @@ def weight_files(model_dir: str | Path) -> dict[str, Path]:
     if not single.is_file():
         raise ValueError(f"{model_dir}: no {SINGLE} and no {INDEX} (a Hugging Face weights "
                          "directory in safetensors is needed; .bin checkpoints are not read)")
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(single), framework="pt") as f:
-        return {name: single for name in f.keys()}
+    try:
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}
+    except SafetensorError as exc:
+        raise ValueError(f"{single}: not a whole safetensors file ({exc})") from None
 
 
 def has_weights(model_dir: str | Path) -> bool:
@@ -100,6 +112,9 @@ def import_model_dir(src: str | Path, model_dir: str | Path, weights_dir: str | 
     if layout is not None:
         ModelShape.from_model_dir(src).check_layout(*layout)
     weights = weight_files(src)  # ValueError if there are none
+    from gyre_slurm.models.tiny import verify_weights
+
+    verify_weights(src)  # whole files, and the index's tensors in its shards (headers only)
     shards = sorted({p.name for p in weights.values()})
     if (src / INDEX).is_file():
         shards.append(INDEX)
