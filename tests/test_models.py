@@ -220,3 +220,56 @@ def test_a_garbled_single_weights_file_is_a_value_error(tmp_path):
         weight_files(src)
     with pytest.raises(ValueError, match="model.safetensors"):
         import_model_dir(src, tmp_path / "run" / "model", tmp_path / "run" / "w0")
+
+
+@pytest.mark.parametrize("family", tiny.FAMILIES)
+def test_the_tensors_a_config_implies_are_what_the_conversion_reads(family, tmp_path):
+    """ModelShape.hf_tensor_shapes (the import's check) and the Megatron conversion name
+    the same tensors with the same shapes: a checkpoint that passes the check converts."""
+    from gyre_slurm.train.megatron.convert import hf_to_megatron_shard
+
+    src = tiny.make_model_dir(tmp_path / family, family=family, num_kv_heads=2,
+                              num_experts=4, **({"head_dim": 32} if family == "qwen3" else {}))
+    shape = ModelShape.from_model_dir(src)
+    want = shape.hf_tensor_shapes()
+    read = set()
+
+    class Recording(dict):
+        def __getitem__(self, name):
+            read.add(name)
+            return super().__getitem__(name)
+
+    state = Recording({n: torch.zeros(s) for n, s in want.items()})
+    hf_to_megatron_shard(state, shape, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+    assert read == set(want)
+    tiny.save_weights_into(tiny.new_model(src, seed=0), src)
+    tiny.check_weights_fit(shape, src)  # the family's real checkpoint fits
+
+
+def test_a_checkpoint_of_another_model_is_refused_at_import(tmp_path):
+    """config.json edited without its weights (or weights from another model): named at
+    import, with the tensor and both shapes, before a trainer converts anything."""
+    from safetensors.torch import load_file, save_file
+
+    from gyre_slurm.models.weights import import_model_dir
+
+    src = tiny.make_model_dir(tmp_path / "hf", family="qwen3")
+    tiny.save_weights_into(tiny.new_model(src, seed=0), src)
+    config = json.loads((src / "config.json").read_text())
+    for change, message in (
+            ({"hidden_size": 128, "head_dim": 32}, r"model.embed_tokens.weight is \[\d+, 64\], "
+                                                   r"the config says \[\d+, 128\]"),
+            ({"num_hidden_layers": 3}, r"tensor\(s\) missing, e.g. \['model.layers.2.")):
+        (src / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ValueError, match="not the model its config.json describes.*"
+                                             + message):
+            import_model_dir(src, tmp_path / "run" / "model", tmp_path / "run" / "w0",
+                             layout=(1, 1, 1))
+    (src / "config.json").write_text(json.dumps(config))
+    state = load_file(str(src / "model.safetensors"))
+    state["model.norm.weight"] = state["model.norm.weight"].to(torch.int32)
+    save_file(state, str(src / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.norm.weight is I32"):
+        import_model_dir(src, tmp_path / "run" / "model", tmp_path / "run" / "w0",
+                         layout=(1, 1, 1))
+    assert not (tmp_path / "run").exists()

@@ -134,6 +134,41 @@ class ModelShape:
                              + (f" x EP={ep_size}" if ep_size > 1 else "") + ": "
                              + "; ".join(problems))
 
+    def hf_tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor a Hugging Face checkpoint of this model holds, with its shape
+        (what the Megatron conversion reads; a checkpoint that differs is not this
+        config's model)."""
+        h, d, v = self.hidden_size, self.head_dim, self.vocab_size
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h),
+                                           "lm_head.weight": (v, h), "model.norm.weight": (h,)}
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            out.update({p + "input_layernorm.weight": (h,),
+                        p + "post_attention_layernorm.weight": (h,),
+                        p + "self_attn.q_proj.weight": (q, h),
+                        p + "self_attn.k_proj.weight": (kv, h),
+                        p + "self_attn.v_proj.weight": (kv, h),
+                        p + "self_attn.o_proj.weight": (h, q)})
+            if self.qkv_bias:
+                out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                            p + "self_attn.v_proj.bias": (kv,)})
+            if self.qk_norm:
+                out.update({p + "self_attn.q_norm.weight": (d,),
+                            p + "self_attn.k_norm.weight": (d,)})
+            if self.is_moe:
+                f = self.moe_ffn_hidden_size
+                out[p + "mlp.gate.weight"] = (self.num_experts, h)
+                for e in range(self.num_experts):
+                    out.update({f"{p}mlp.experts.{e}.gate_proj.weight": (f, h),
+                                f"{p}mlp.experts.{e}.up_proj.weight": (f, h),
+                                f"{p}mlp.experts.{e}.down_proj.weight": (h, f)})
+            else:
+                f = self.ffn_hidden_size
+                out.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                            p + "mlp.down_proj.weight": (h, f)})
+        return out
+
     def num_params(self) -> dict[str, int]:
         """Parameter counts: "total", "expert" (all experts), "dense" (the rest),
         "embedding" (input embedding + output layer, unpadded)."""

@@ -236,8 +236,46 @@ def verify_weights(weights_dir: str | Path) -> Path:
     return path
 
 
-def _verify_file(path: Path) -> set[str]:
-    """The tensor names of a whole safetensors file (see verify_weights)."""
+def weight_headers(weights_dir: str | Path) -> dict[str, dict]:
+    """{tensor name: its safetensors header entry (dtype, shape)} of a whole weights dir
+    (`verify_weights`'s checks first; headers only, no tensor is read)."""
+    from gyre_slurm.models.weights import INDEX, weight_files
+
+    verify_weights(weights_dir)
+    index = Path(weights_dir) / INDEX
+    files = sorted(set(weight_files(weights_dir).values())) if index.is_file() else \
+        [Path(weights_dir) / WEIGHTS_FILE]
+    out: dict[str, dict] = {}
+    for f in files:
+        out.update(_verify_file(f))
+    return out
+
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def check_weights_fit(shape, weights_dir: str | Path) -> None:
+    """CorruptWeights unless the checkpoint holds every tensor `shape` (a `ModelShape`)
+    needs, each with its shape and a floating dtype: a checkpoint of another model (or
+    a config edited without its weights) is named here, not deep inside a trainer."""
+    headers = weight_headers(weights_dir)
+    want = shape.hf_tensor_shapes()
+    missing = [n for n in want if n not in headers]
+    wrong = [f"{n} is {list(headers[n].get('shape', []))}, the config says {list(s)}"
+             for n, s in want.items() if n in headers
+             and tuple(headers[n].get("shape", ())) != s]
+    not_float = [f"{n} is {headers[n].get('dtype')}" for n in want
+                 if n in headers and headers[n].get("dtype") not in FLOAT_DTYPES]
+    problems = ([f"{len(missing)} tensor(s) missing, e.g. {missing[:3]}"] if missing else []) \
+        + wrong[:3] + not_float[:3]
+    if problems:
+        raise CorruptWeights(f"{weights_dir}: the weights are not the model its config.json "
+                             f"describes ({shape.family}, hidden {shape.hidden_size}, "
+                             f"{shape.num_layers} layers): " + "; ".join(problems))
+
+
+def _verify_file(path: Path) -> dict[str, dict]:
+    """The tensors of a whole safetensors file, name -> header entry (see verify_weights)."""
     import struct
 
     try:
@@ -269,7 +307,7 @@ def _verify_file(path: Path) -> set[str]:
         raise CorruptWeights(f"{path}: {size} bytes but its header describes {want} "
                              f"(truncated at byte offset {size})" if size < want else
                              f"{path}: {size} bytes but its header describes {want}")
-    return {k for k in header if k != "__metadata__"}
+    return {k: v for k, v in header.items() if k != "__metadata__"}
 
 
 def load_weights(model, weights_dir: str | Path) -> None:

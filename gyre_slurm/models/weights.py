@@ -109,12 +109,16 @@ def import_model_dir(src: str | Path, model_dir: str | Path, weights_dir: str | 
     if not any((src / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise ValueError(f"model.path {src}: no tokenizer (tokenizer.json or "
                          "tokenizer_config.json)")
+    shape = None
     if layout is not None:
-        ModelShape.from_model_dir(src).check_layout(*layout)
+        shape = ModelShape.from_model_dir(src)
+        shape.check_layout(*layout)
     weights = weight_files(src)  # ValueError if there are none
-    from gyre_slurm.models.tiny import verify_weights
+    from gyre_slurm.models.tiny import check_weights_fit, verify_weights
 
     verify_weights(src)  # whole files, and the index's tensors in its shards (headers only)
+    if shape is not None:  # the Megatron trainer converts these: each tensor as the config says
+        check_weights_fit(shape, src)
     shards = sorted({p.name for p in weights.values()})
     if (src / INDEX).is_file():
         shards.append(INDEX)
