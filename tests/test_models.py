@@ -82,6 +82,15 @@ def test_shape_names_the_key_of_a_malformed_config(change, message):
 def test_shape_without_config_says_what_a_model_dir_holds(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         ModelShape.from_model_dir(tmp_path)
+    with pytest.raises(ValueError, match="neither a model directory nor a config.json"):
+        ModelShape.from_model_dir("/dev/zero")
+    (tmp_path / "config.json").symlink_to("/dev/zero")  # read no further than 64 MB
+    with pytest.raises(ValueError, match="holds more than 64 MB"):
+        ModelShape.from_model_dir(tmp_path)
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_bytes(b"\xff{}")
+    with pytest.raises(ValueError, match="not UTF-8"):
+        ModelShape.from_model_dir(tmp_path)
 
 
 @pytest.mark.parametrize("family", tiny.FAMILIES)

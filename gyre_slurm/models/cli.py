@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from gyre_slurm.common.fsio import loads_json
+from gyre_slurm.common.yamltext import read_text
 from gyre_slurm.errors import UserError
 
 GIB = 1 << 30
@@ -42,7 +43,8 @@ def _shape(path: Path):
 
     try:
         if path.is_file():
-            return ModelShape.from_config(loads_json(path.read_text()), source=str(path))
+            return ModelShape.from_config(loads_json(read_text(path, what=str(path))),
+                                          source=str(path))
         return ModelShape.from_model_dir(path)
     except ValueError as exc:
         raise UserError(str(exc)) from None

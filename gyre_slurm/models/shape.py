@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gyre_slurm.common.fsio import loads_json
+from gyre_slurm.errors import UserError
 
 VOCAB_MULTIPLE = 128
 FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
@@ -68,12 +69,21 @@ class ModelShape:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ModelShape:
+        from gyre_slurm.common.yamltext import read_text
+
         path = Path(model_dir) / "config.json"
         try:
-            cfg = loads_json(path.read_text())
+            cfg = loads_json(read_text(path, what=str(path)))  # at most 64 MB, UTF-8
         except FileNotFoundError:
             raise ValueError(f"{model_dir}: no config.json (a Hugging Face model directory "
                              "holds config.json, the tokenizer and safetensors weights)") from None
+        except NotADirectoryError:
+            raise ValueError(f"{model_dir} is neither a model directory nor a config.json "
+                             f"file") from None
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot read it ({exc.strerror})") from None
+        except UserError:
+            raise
         except ValueError as exc:
             raise ValueError(f"{path}: not JSON ({exc})") from None
         return cls.from_config(cfg, source=str(path))
