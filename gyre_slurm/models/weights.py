@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from gyre_slurm.common.fsio import loads_json
+from gyre_slurm.common.yamltext import read_text
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -24,7 +25,7 @@ def weight_files(model_dir: str | Path) -> dict[str, Path]:
     index = model_dir / INDEX
     if index.is_file():
         try:
-            weight_map = loads_json(index.read_text())["weight_map"]
+            weight_map = loads_json(read_text(index, what=str(index)))["weight_map"]
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{index}: not a safetensors index ({exc!r})") from None
         if not isinstance(weight_map, dict) or not all(
