@@ -48,3 +48,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BrokenPipeError:
         return 0
+
+
+def run_tool(main_fn, *args) -> None:
+    """The `__main__` of a script under tools/: `main_fn(*args)`, its UserError printed as
+    `NAME: error: ...` with exit status 2 (as gyre's), not a traceback. Exits."""
+    import os
+
+    name = os.path.basename(sys.argv[0]) or "tool"
+    try:
+        rc = main_fn(*args)
+    except UserError as exc:
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        rc = 2
+    except BrokenPipeError:
+        rc = 0
+    raise SystemExit(int(rc or 0))

@@ -133,4 +133,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from gyre_slurm.cli import run_tool  # a UserError: one line, exit 2
+
+    run_tool(main)

@@ -120,4 +120,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from gyre_slurm.cli import run_tool  # a UserError: one line, exit 2
+
+    run_tool(main)

@@ -309,4 +309,6 @@ def _table(rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from gyre_slurm.cli import run_tool  # a UserError: one line, exit 2
+
+    run_tool(main)

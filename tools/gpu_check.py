@@ -560,4 +560,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from gyre_slurm.cli import run_tool  # a UserError: one line, exit 2
+
+    run_tool(main)

@@ -20,7 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from gyre_slurm.errors import UserError  # noqa: E402
 from gyre_slurm.models import tiny  # noqa: E402
+
+MIN_VOCAB = 256 + len(tiny.SPECIAL_TOKENS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,12 +41,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shards", type=int, default=1, help="weight files (with an index)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    for name in ("hidden", "layers", "heads", "kv_heads", "vocab", "max_positions", "experts",
+                 "experts_per_token", "shards"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.vocab < MIN_VOCAB:
+        raise UserError(f"--vocab must be >= {MIN_VOCAB} (the byte alphabet and the special "
+                        f"tokens)")
+    if args.experts_per_token > args.experts:
+        raise UserError("--experts-per-token must be <= --experts")
     t0 = time.perf_counter()
-    out = tiny.make_model_dir(args.out_dir, vocab_size=args.vocab, hidden_size=args.hidden,
-                              num_layers=args.layers, num_heads=args.heads,
-                              num_kv_heads=args.kv_heads, max_positions=args.max_positions,
-                              family=args.family, num_experts=args.experts,
-                              experts_per_token=args.experts_per_token)
+    try:
+        out = tiny.make_model_dir(args.out_dir, vocab_size=args.vocab, hidden_size=args.hidden,
+                                  num_layers=args.layers, num_heads=args.heads,
+                                  num_kv_heads=args.kv_heads, max_positions=args.max_positions,
+                                  family=args.family, num_experts=args.experts,
+                                  experts_per_token=args.experts_per_token)
+    except ValueError as exc:  # the sizes do not make a model (heads, head_dim)
+        raise UserError(str(exc)) from None
     model = tiny.new_model(out, seed=args.seed)
     tiny.save_weights_into(model, out, shards=args.shards)
     n = sum(p.numel() for p in model.parameters())
@@ -52,4 +67,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from gyre_slurm.cli import run_tool  # a UserError: one line, exit 2
+
+    run_tool(main)

@@ -95,4 +95,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from gyre_slurm.cli import run_tool  # a UserError: one line, exit 2
+
+    run_tool(main, sys.argv[1:])

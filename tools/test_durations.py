@@ -21,6 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 DURATIONS = ROOT / "tests" / "durations.json"
 LINE = re.compile(r"^\s*([0-9.]+)s (setup|call|teardown)\s+(\S+)")
 
@@ -44,8 +45,15 @@ def makespan(costs: list[float], workers: int) -> float:
 
 
 def main(logs: list[str]) -> None:
-    if not logs:
-        sys.exit(__doc__)
+    from gyre_slurm.errors import UserError
+
+    if not logs or logs[0] in ("-h", "--help"):
+        print(__doc__)
+        return
+    missing = [log for log in logs if not Path(log).is_file()]
+    if missing:
+        raise UserError(f"no such log: {', '.join(missing)} (give the output of "
+                        f"`tools/test --durations=0 -vv`)")
     merged = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     for log in logs:
         merged.update(parse(Path(log).read_text(errors="replace")))
@@ -66,4 +74,6 @@ def main(logs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from gyre_slurm.cli import run_tool  # a UserError: one line, exit 2
+
+    run_tool(main, sys.argv[1:])
