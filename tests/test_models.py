@@ -172,6 +172,10 @@ def test_a_hugging_face_dir_starts_a_run_by_links(tmp_path):
         assert torch.equal(a, b), name
     with pytest.raises(ValueError, match="num_experts 4 % EP 3"):
         import_model_dir(src, tmp_path / "x" / "model", tmp_path / "x" / "w0", layout=(1, 1, 3))
+    (src / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "garbled"}}')
+    with pytest.raises(ValueError, match="its tokenizer .* does not load"):
+        import_model_dir(src, tmp_path / "z" / "model", tmp_path / "z" / "w0")
+    assert not (tmp_path / "z").exists()
     (src / "tokenizer.json").unlink()
     (src / "tokenizer_config.json").unlink()
     with pytest.raises(ValueError, match="no tokenizer"):

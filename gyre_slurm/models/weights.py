@@ -90,6 +90,19 @@ def is_weight_file(name: str) -> bool:
         or name.endswith(".bin.index.json")
 
 
+def _check_tokenizer(src: Path) -> None:
+    """ValueError unless `src`'s tokenizer loads (as vLLM and the gateway will load it): a
+    garbled tokenizer.json would otherwise fail every engine start on every cell."""
+    try:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(src))
+    except Exception as exc:  # noqa: BLE001 - a loader of outside files: any failure is the file's
+        raise ValueError(f"model.path {src}: its tokenizer (with the config.json "
+                         f"transformers reads for it) does not load "
+                         f"({type(exc).__name__}: {str(exc)[:500]})") from None
+
+
 def import_model_dir(src: str | Path, model_dir: str | Path, weights_dir: str | Path, *,
                      layout: tuple[int, int, int] | None = None) -> dict:
     """Start a run from a Hugging Face model directory `src` without copying it: the run's
@@ -120,6 +133,7 @@ def import_model_dir(src: str | Path, model_dir: str | Path, weights_dir: str | 
     verify_weights(src)  # whole files, and the index's tensors in its shards (headers only)
     if shape is not None:  # the Megatron trainer converts these: each tensor as the config says
         check_weights_fit(shape, src)
+    _check_tokenizer(src)
     shards = sorted({p.name for p in weights.values()})
     if (src / INDEX).is_file():
         shards.append(INDEX)
