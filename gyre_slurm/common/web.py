@@ -25,6 +25,8 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 MAX_BODY_BYTES = 1 << 20
 BODY_TIMEOUT_S = 10.0
@@ -69,6 +71,8 @@ async def read_json_object(request: web.Request, *, timeout_s: float = BODY_TIME
         raise BadRequest(413, f"body over {max_bytes} bytes") from None
     except (aiohttp.ClientError, ConnectionError) as exc:  # a truncated body
         raise BadRequest(400, f"incomplete body: {exc}") from None
+    except (RequestPayloadError, HttpProcessingError) as exc:  # e.g. gzip that is not
+        raise BadRequest(400, f"the body cannot be read: {str(exc).strip()}") from None
     if not raw:
         return {}
     try:

@@ -134,10 +134,15 @@ async def _errors_middleware(request: web.Request, handler):
 
 
 async def _json(request: web.Request) -> Any:
+    from aiohttp.http_exceptions import HttpProcessingError
+    from aiohttp.web_protocol import RequestPayloadError
+
     try:
         return await request.json()
     except ValueError as exc:
         raise BadRequest(f"body is not valid JSON: {exc}") from None
+    except (RequestPayloadError, HttpProcessingError) as exc:  # e.g. gzip that is not
+        raise BadRequest(f"the body cannot be read: {str(exc).strip()}") from None
 
 
 def _path_version(body: Any) -> tuple[Path, int]:
