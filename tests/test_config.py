@@ -194,6 +194,36 @@ def test_gyre_config_prints_resolved_yaml(gyre):
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     unknown = gyre("config", "nopreset", check=False)
     assert unknown.returncode == 2 and "unknown preset 'nopreset'" in unknown.stderr
+    folder = gyre("config", "configs", check=False)
+    assert folder.returncode == 2 and "configs is a directory" in folder.stderr
+
+
+def test_a_config_from_a_pipe_is_read_and_submit_refuses_it(tmp_path):
+    """`gyre run <(make-config)`: the shell passes /dev/fd/N, a pipe (it was 'does not
+    exist'); `gyre submit` needs a file the job can read again when it starts."""
+    import os
+    import subprocess
+    import sys
+    import threading
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "configs" / "tiny.yaml").read_bytes()
+    for command, expect in (("config", 0), ("submit", 2)):
+        r, w = os.pipe()
+        feeder = threading.Thread(target=lambda w=w: (os.write(w, text), os.close(w)))
+        feeder.start()
+        proc = subprocess.run([sys.executable, "-m", "gyre_slurm", command, f"/dev/fd/{r}"],
+                              pass_fds=(r,), cwd=tmp_path, capture_output=True, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(root), GYRE_ROOT=str(root)),
+                              timeout=120)
+        os.close(r)
+        feeder.join()
+        assert proc.returncode == expect, proc.stderr
+        if command == "config":
+            assert yaml.safe_load(proc.stdout)["name"] == "tiny"
+        else:
+            assert "is not a regular file" in proc.stderr
 
 
 def test_every_key_and_section_has_a_description():

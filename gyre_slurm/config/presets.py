@@ -21,9 +21,13 @@ def preset_path(name: str) -> Path:
 
 
 def resolve(source: str) -> Path:
-    """A config argument is a file path or, failing that, a preset name."""
+    """A config argument is a file path or, failing that, a preset name. A pipe
+    (`gyre run <(make-config)`) or another file that is not regular is read as it is."""
     path = Path(source)
-    if path.is_file():
+    if path.is_dir():
+        raise ConfigError(f"{source} is a directory; give a config file (YAML) or a "
+                          f"preset name")
+    if path.exists():
         return path
     if path.suffix in (".yaml", ".yml") or "/" in source:
         raise ConfigError(f"config file {source} does not exist")

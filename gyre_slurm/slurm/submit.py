@@ -162,6 +162,10 @@ def submit_job(config: str | Path, *, run_dir: str | Path | None = None,
         raise UserError(f"{SBATCH_FILE} not found: gyre submit runs from a gyre checkout "
                         "(set GYRE_ROOT to one), whose sbatch/ and tools/ the job uses")
     path = resolve(str(config)).resolve()
+    if not path.is_file():
+        raise UserError(f"{config} is not a regular file: the job reads its config when it "
+                        f"starts (and again on a requeue), so give a file on a filesystem "
+                        f"the nodes see")
     cfg = load_config(path)
     nodes = nodes or cfg.cluster.num_nodes
     if nodes != cfg.cluster.num_nodes:
