@@ -121,6 +121,14 @@ def test_a_malformed_task_file_is_a_clear_error(tmp_path):
     (broken / "task.json").write_text('{"instruction": "x",')
     with pytest.raises(UserError, match="broken/task.json is not valid JSON"):
         load_task(broken)
+    empty = tmp_path / "empty"
+    (empty / "tests").mkdir(parents=True)
+    (empty / "task.yaml").write_text("instruction: null\ntest_command: y\ntests: [a]\n")
+    with pytest.raises(UserError, match="`instruction` must be non-empty text, got None"):
+        load_task(empty)
+    (empty / "task.yaml").write_text("instruction: x\ntest_command: {a: 1}\ntests: [a]\n")
+    with pytest.raises(UserError, match="`test_command` must be non-empty text"):
+        load_task(empty)
 
 
 @pytest.mark.parametrize("command, params, limit", [

@@ -122,6 +122,10 @@ def load_task(root: Path) -> ShellTask:
         raise UserError(f"shell task {root}: the task file must have the keys "
                         f"{sorted(keys)} (and optionally image), got "
                         f"{sorted(data) if isinstance(data, dict) else data!r}")
+    for key in ("instruction", "test_command"):
+        if not isinstance(data[key], str) or not data[key].strip():
+            raise UserError(f"shell task {root}: `{key}` must be non-empty text, got "
+                            f"{data[key]!r:.80}")
     tests = data["tests"]
     if (not isinstance(tests, list) or not tests or len(set(tests)) != len(tests)
             or not all(isinstance(t, str) and re.fullmatch(r"[^\s:]+", t) for t in tests)):
