@@ -261,9 +261,13 @@ def check_weights_fit(shape, weights_dir: str | Path) -> None:
     headers = weight_headers(weights_dir)
     want = shape.hf_tensor_shapes()
     missing = [n for n in want if n not in headers]
-    wrong = [f"{n} is {list(headers[n].get('shape', []))}, the config says {list(s)}"
-             for n, s in want.items() if n in headers
-             and tuple(headers[n].get("shape", ())) != s]
+    def shape_of(entry) -> tuple | None:
+        dims = entry.get("shape")
+        return tuple(dims) if isinstance(dims, list) else None
+
+    wrong = [f"{n} is {list(shape_of(headers[n]) or ()) or headers[n].get('shape')}, "
+             f"the config says {list(s)}"
+             for n, s in want.items() if n in headers and shape_of(headers[n]) != s]
     not_float = [f"{n} is {headers[n].get('dtype')}" for n in want
                  if n in headers and headers[n].get("dtype") not in FLOAT_DTYPES]
     problems = ([f"{len(missing)} tensor(s) missing, e.g. {missing[:3]}"] if missing else []) \
