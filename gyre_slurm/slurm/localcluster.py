@@ -304,18 +304,10 @@ class LocalCluster:
                 self._spawn_slurmd(node, out)
             for node in nodes:
                 self._wait_pid(f"slurmd-{node}", deadline)
-        states: dict[str, str] = {}
-        while time.monotonic() < deadline:
-            out = self._query("sinfo", "-h", "-N", "-o", "%N %T")
-            states = dict(line.split()[:2] for line in out.splitlines() if " " in line)
-            # "idle*" etc.: slurmctld has not heard from the node yet
-            if all(states.get(n) in ("idle", "mixed", "allocated", "completing")
-                   for n in nodes):
-                self.restarted = list(nodes)
-                return
-            time.sleep(0.05)
-        raise TimeoutError(f"restarted slurmd not back in time: {states}; "
-                           f"see {self.state_dir}/log/")
+        # "idle*" etc.: slurmctld has not heard from the node yet
+        self._wait_idle(deadline, nodes=nodes,
+                        states=("idle", "mixed", "allocated", "completing"))
+        self.restarted = list(nodes)
 
     def _spawn_slurmd(self, node: str, out) -> None:
         script = f'hostname {node} && exec slurmd -N {node} -f "$1"'
@@ -388,15 +380,19 @@ class LocalCluster:
                 raise TimeoutError(f"{name} did not start; see {self.state_dir}/log/")
             time.sleep(0.02)
 
-    def _wait_idle(self, deadline: float) -> None:
-        states: dict[str, str] = {}
+    def _wait_idle(self, deadline: float, *, nodes: list[str] | None = None,
+                   states: tuple[str, ...] = ("idle",)) -> None:
+        """Until sinfo shows each of `nodes` (default: all) in one of `states`."""
+        nodes = self.nodes if nodes is None else nodes
+        seen: dict[str, str] = {}
         while time.monotonic() < deadline:
             out = self._query("sinfo", "-h", "-N", "-o", "%N %T")
-            states = dict(line.split()[:2] for line in out.splitlines() if " " in line)
-            if all(states.get(n) == "idle" for n in self.nodes):
+            seen = dict(line.split()[:2] for line in out.splitlines() if " " in line)
+            if all(seen.get(n) in states for n in nodes):
                 return
             time.sleep(0.05)
-        raise TimeoutError(f"nodes not idle in time: {states}; see {self.state_dir}/log/")
+        raise TimeoutError(f"nodes not {'/'.join(states)} in time: {seen}; "
+                           f"see {self.state_dir}/log/")
 
     @property
     def _hosts_tag(self) -> str:
