@@ -214,41 +214,39 @@ def verify_weights(weights_dir: str | Path) -> Path:
     """Check `weights_dir/model.safetensors` (or every shard its index lists) is whole
     before anyone loads it: the header parses and the file is exactly as long as its
     tensors say (a truncated or garbled file would otherwise fail deep inside
-    safetensors, or not at all). Returns the path (the index's, for shards); raises
-    `CorruptWeights` naming the file, its size and what is wrong."""
-    from gyre_slurm.models.weights import INDEX, weight_files
-
-    index = Path(weights_dir) / INDEX
-    if index.is_file():
-        try:
-            listed = weight_files(weights_dir)
-        except ValueError as exc:
-            raise CorruptWeights(str(exc)) from None
-        for f in sorted(set(listed.values())):
-            held = _verify_file(f)
-            absent = sorted(name for name, g in listed.items() if g == f and name not in held)
-            if absent:
-                raise CorruptWeights(f"{index} places {len(absent)} tensor(s) in {f.name}, "
-                                     f"which does not hold them: {absent[:3]}")
-        return index
-    path = Path(weights_dir) / WEIGHTS_FILE
-    _verify_file(path)
-    return path
+    safetensors, or not at all), and each shard holds what the index places in it.
+    Returns the path (the index's, for shards); raises `CorruptWeights` naming the file,
+    its size and what is wrong."""
+    return _verified_headers(weights_dir)[0]
 
 
 def weight_headers(weights_dir: str | Path) -> dict[str, dict]:
     """{tensor name: its safetensors header entry (dtype, shape)} of a whole weights dir
-    (`verify_weights`'s checks first; headers only, no tensor is read)."""
+    (`verify_weights`'s checks; headers only, no tensor is read)."""
+    return _verified_headers(weights_dir)[1]
+
+
+def _verified_headers(weights_dir: str | Path) -> tuple[Path, dict[str, dict]]:
+    """`verify_weights`'s path and every tensor's header entry, each file read once."""
     from gyre_slurm.models.weights import INDEX, weight_files
 
-    verify_weights(weights_dir)
     index = Path(weights_dir) / INDEX
-    files = sorted(set(weight_files(weights_dir).values())) if index.is_file() else \
-        [Path(weights_dir) / WEIGHTS_FILE]
-    out: dict[str, dict] = {}
-    for f in files:
-        out.update(_verify_file(f))
-    return out
+    if not index.is_file():
+        path = Path(weights_dir) / WEIGHTS_FILE
+        return path, _verify_file(path)
+    try:
+        listed = weight_files(weights_dir)
+    except ValueError as exc:
+        raise CorruptWeights(str(exc)) from None
+    headers: dict[str, dict] = {}
+    for f in sorted(set(listed.values())):
+        held = _verify_file(f)
+        absent = sorted(name for name, g in listed.items() if g == f and name not in held)
+        if absent:
+            raise CorruptWeights(f"{index} places {len(absent)} tensor(s) in {f.name}, "
+                                 f"which does not hold them: {absent[:3]}")
+        headers.update(held)
+    return index, headers
 
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")

@@ -130,8 +130,11 @@ def import_model_dir(src: str | Path, model_dir: str | Path, weights_dir: str | 
     weights = weight_files(src)  # ValueError if there are none
     from gyre_slurm.models.tiny import check_weights_fit, verify_weights
 
-    verify_weights(src)  # whole files, and the index's tensors in its shards (headers only)
-    if shape is not None:  # the Megatron trainer converts these: each tensor as the config says
+    # whole files and the index's tensors in its shards (headers only); for the Megatron
+    # trainer, which converts them, also each tensor as the config says (the same read)
+    if shape is None:
+        verify_weights(src)
+    else:
         check_weights_fit(shape, src)
     _check_tokenizer(src)
     shards = sorted({p.name for p in weights.values()})
