@@ -134,11 +134,18 @@ def test_elastic_moves_cells_both_ways(tmp_path):
     # Runs of ~1 s against a ~1 s handoff: the forecast would rightly see most queues
     # drain before a reclaimed cell could serve, so it is off here, with no hysteresis
     # and a fast policy tick, so that both directions happen in a short run (WATERLEVEL).
+    # Training is paced (about 1.5 s a step on one cell) so that every step has a time
+    # when no run may start (staleness 1: step k + 2 waits for step k's training): the
+    # rollout cells empty and are released; the next batch (8 runs) then queues on the
+    # one cell left (4 slots) and a cell is reclaimed. Unpaced, the tiny model trained a
+    # step in milliseconds and whether a queue ever formed after a release depended on
+    # timing: under a loaded CI machine a run moved one cell once, one way.
     run_dir = tmp_path / "elastic"
-    proc = gyre_run(run_dir, *FAST, "workload.num_steps=6", *WATERLEVEL,
+    proc = gyre_run(run_dir, *FAST, "workload.num_steps=8", *WATERLEVEL,
+                    "trainer.pace=true", "training.node_tokens_per_s=200",
                     "agent.env_params={tool_mean_s: 1.0, tool_sigma: 0.5, tool_max_s: 3.0}")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    events = check_run_dir(run_dir, num_steps=6)
+    events = check_run_dir(run_dir, num_steps=8)
     directions = Counter(e["direction"] for e in events if e["kind"] == "handoff")
     assert directions["rollout->train"] >= 1 and directions["train->rollout"] >= 1, directions
     decisions = [e for e in events if e["kind"] == "decision"]
