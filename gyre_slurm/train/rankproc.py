@@ -156,6 +156,20 @@ def _watch_parent(parent: int) -> None:
         time.sleep(1.0)
 
 
+def warm_up(worker) -> None:
+    """The worker's first-use costs, paid before the first request is read (requests
+    sent meanwhile wait in stdin, as they would behind a cold first build). A worker
+    without `warm` (Megatron: its modules load at import, before `ready`) skips it; a
+    failed warm-up is logged and the first join builds from cold, as before."""
+    warm = getattr(worker, "warm", None)
+    if warm is None:
+        return
+    try:
+        log.info("warmed up in %.2f s (the first build's one-time costs)", warm())
+    except Exception:  # noqa: BLE001 - only a cost moved earlier; the join still builds
+        log.exception("warm-up failed: the first join builds from cold")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="one gyre training rank")
     p.add_argument("--backend", choices=("torch", "megatron"), required=True)
@@ -190,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     failpoint = parse_failpoint(os.environ.get(FAILPOINT_ENV, ""), args.node_index)
     worker = make_worker(args)
     answers.write(json.dumps({"id": 0, "result": {"ready": True, "pid": os.getpid()}}) + "\n")
+    warm_up(worker)
     for line in sys.stdin:
         if not line.strip():
             continue
