@@ -98,22 +98,25 @@ class TrainerWorker(StreamSender):
         model from cold (transformers imports the model's classes on first use), about
         1.6 s alone and 4.7 s with four nodes joining at once on 2 cores, and every member
         of the world waited for it. Later builds take about 0.01 s. Returns seconds."""
-        from gyre_slurm.models.tiny import new_model
-
         t0 = time.perf_counter()
         with torch.device("meta"):
-            new_model(self.model_dir, seed=self.seed,
-                      attn_implementation=register_hf_attention())
+            self._new_model()
         return time.perf_counter() - t0
 
+    def _new_model(self):
+        """The model `_build` starts from (and `warm` builds once on the meta device)."""
+        from gyre_slurm.models.tiny import new_model
+
+        return new_model(self.model_dir, seed=self.seed,
+                         attn_implementation=register_hf_attention())
+
     def _build(self, init_weights: Path | None, *, backend: str | None = None) -> None:
-        from gyre_slurm.models.tiny import load_weights, new_model
+        from gyre_slurm.models.tiny import load_weights
 
         on_gpu = torch.cuda.is_available() and backend in (None, "nccl")
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu \
             else torch.device("cpu")
-        model = new_model(self.model_dir, seed=self.seed,
-                          attn_implementation=register_hf_attention())
+        model = self._new_model()
         if init_weights is not None:
             load_weights(model, init_weights)
         self.model = model.to(self.device).train()
