@@ -94,8 +94,10 @@ def test_elastic_is_never_far_behind_the_best_fixed_split(cfg):
 PRESETS = [name for name in preset_names() if name != "small"]
 # The aim is 1.15 everywhere; these presets miss it, each by the figure measured when the
 # policy landed (docs/scheduler.md, "Against the lower bound", says where the time goes),
-# so the test holds them to it: a change that loses more fails.
-MISSED = {"deepswe-122b": 1.20, "nl2repo-2.4t": 1.22, "terminalbench-122b-growing": 1.23,
+# so the test holds them to it: a change that loses more fails. nl2repo-2.4t's went from
+# 1.212 to 1.246 when the bound stopped adding its 48 optimizer steps of 120 s to the
+# makespan whole (rollout goes on meanwhile): the policy is unchanged.
+MISSED = {"deepswe-122b": 1.20, "nl2repo-2.4t": 1.25, "terminalbench-122b-growing": 1.23,
           "deepswe-122b-curriculum": 1.20}
 
 

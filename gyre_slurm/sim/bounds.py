@@ -8,7 +8,12 @@
   two widths (the cheap narrow one and the fast wide one). The makespan M therefore
   obeys, for the best mix of widths: X a <= M and rollout + X b <= N M, with a and b
   the mix's wall and cell-seconds per token; the bound is the least such M over every
-  mix (the frontier of the widths' (a, b) points), plus the serial optimizer steps.
+  mix (the frontier of the widths' (a, b) points). The optimizer steps are serial with
+  training (n of them add n x optimizer_step_s to its wall time) and hold the training
+  world, at least one model replica's cells (n x that x optimizer_step_s cell-seconds);
+  rollout goes on meanwhile, so they are not added to the makespan whole (until session
+  32 they were: the bound was up to n x optimizer_step_s x (1 - replica cells / N) too
+  high, and a policy could finish below it, tests/test_sim_engine.py).
 - critical path: step k trains batch k, whose runs may start only once step
   k - s - 1 has finished (staleness bound s). Even alone on a cell a run takes
   work / rate(1); step k ends no sooner than its last run plus the training of that
@@ -50,8 +55,8 @@ def lower_bound(cfg: GyreConfig, w: Workload, *, staleness: int | None = None) -
     cap = cfg.cell_capacity
     rollout_cell_s = float(w.work_s.sum()) / cap
     train_cell_s = float(w.tokens.sum()) / (best_node_throughput(cfg) * cfg.cluster.cell_nodes)
-    work = work_bound(cfg, rollout_cell_s=rollout_cell_s, tokens=float(w.tokens.sum()))
-    work += w.num_steps * cfg.training.optimizer_step_s
+    work = work_bound(cfg, rollout_cell_s=rollout_cell_s, tokens=float(w.tokens.sum()),
+                      steps=w.num_steps)
     s = cfg.training.max_staleness if staleness is None else staleness
     path = critical_path(cfg, w, staleness=s)
     staged = staged_bound(cfg, w, staleness=s)
@@ -60,13 +65,19 @@ def lower_bound(cfg: GyreConfig, w: Workload, *, staleness: int | None = None) -
             "rollout_cell_s": rollout_cell_s, "train_cell_s": train_cell_s}
 
 
-def work_bound(cfg: GyreConfig, *, rollout_cell_s: float, tokens: float) -> float:
-    """The least makespan M for which some mix of training widths trains `tokens` within
-    M wall seconds and, with rollout, within the cells' N M cell-seconds. Training at
-    width w costs a_w = 1 / thr(w) wall and b_w = w / thr(w) cell-seconds per token; a
-    run may alternate between widths, so any mix on the frontier of the points (a_w, b_w)
-    is allowed: M = min over the frontier of max(tokens a, (rollout + tokens b) / N)."""
+def work_bound(cfg: GyreConfig, *, rollout_cell_s: float, tokens: float,
+               steps: int = 0) -> float:
+    """The least makespan M for which some mix of training widths trains `tokens`, with
+    `steps` optimizer steps, within M wall seconds and, with rollout, within the cells'
+    N M cell-seconds. Training at width w costs a_w = 1 / thr(w) wall and b_w = w / thr(w)
+    cell-seconds per token; a run may alternate between widths, so any mix on the
+    frontier of the points (a_w, b_w) is allowed. An optimizer step takes
+    optimizer_step_s of training's wall time and holds at least the smallest training
+    world (one model replica's cells) for it: M = min over the frontier of
+    max(tokens a + steps opt, (rollout + tokens b + steps opt replica_cells) / N)."""
     num_cells, cell_nodes = cfg.cluster.num_cells, cfg.cluster.cell_nodes
+    opt_wall = steps * cfg.training.optimizer_step_s
+    opt_cell_s = opt_wall * replica_cells(cfg)
     points = []
     for width in range(1, num_cells + 1):
         thr = train_throughput(cfg.training, width * cell_nodes)
@@ -75,18 +86,23 @@ def work_bound(cfg: GyreConfig, *, rollout_cell_s: float, tokens: float) -> floa
     frontier = _lower_left_hull(points)
 
     def cost(a: float, b: float) -> float:
-        return max(tokens * a, (rollout_cell_s + tokens * b) / num_cells)
+        return max(tokens * a + opt_wall, (rollout_cell_s + tokens * b + opt_cell_s) / num_cells)
 
     best = min(cost(a, b) for a, b in frontier)
     for (a1, b1), (a2, b2) in zip(frontier, frontier[1:]):
         # Both terms are linear along the segment: the least max is at a crossing.
         f1, f2 = tokens * (a2 - a1), tokens * (b2 - b1) / num_cells
-        g0 = tokens * a1 - (rollout_cell_s + tokens * b1) / num_cells
+        g0 = tokens * a1 + opt_wall - (rollout_cell_s + tokens * b1 + opt_cell_s) / num_cells
         if f1 != f2:
             lam = -g0 / (f1 - f2)
             if 0.0 < lam < 1.0:
                 best = min(best, cost(a1 + lam * (a2 - a1), b1 + lam * (b2 - b1)))
     return best
+
+
+def replica_cells(cfg: GyreConfig) -> int:
+    """Cells of the smallest training world: one model replica, in whole cells."""
+    return math.ceil(cfg.training.min_replica_nodes / cfg.cluster.cell_nodes)
 
 
 def _lower_left_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -117,18 +133,18 @@ def critical_path(cfg: GyreConfig, w: Workload, *, staleness: int) -> float:
 def staged_bound(cfg: GyreConfig, w: Workload, *, staleness: int) -> float:
     """The critical path where each step also waits for the work bound of the steps up
     to it; and the job, for the work of the steps whose runs start after each step."""
-    n, opt_s = w.num_steps, cfg.training.optimizer_step_s
+    n = w.num_steps
     cap = cfg.cell_capacity
     work = np.bincount(w.batch, weights=w.work_s, minlength=n) / cap
     tokens = np.bincount(w.batch, weights=w.tokens, minlength=n)
     done_by = [work_bound(cfg, rollout_cell_s=float(work[:k + 1].sum()),
-                          tokens=float(tokens[:k + 1].sum())) + (k + 1) * opt_s
+                          tokens=float(tokens[:k + 1].sum()), steps=k + 1)
                for k in range(n)]
     finish = _step_finishes(cfg, w, staleness=staleness, floor=done_by)
     end = float(finish[-1])
     for k in range(staleness + 1, n):  # steps k.. start once step k - s - 1 is trained
         rest = work_bound(cfg, rollout_cell_s=float(work[k:].sum()),
-                          tokens=float(tokens[k:].sum())) + (n - k) * opt_s
+                          tokens=float(tokens[k:].sum()), steps=n - k)
         end = max(end, float(finish[k - staleness - 1]) + rest)
     return end
 
