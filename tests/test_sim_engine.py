@@ -148,3 +148,24 @@ def test_optimizer_steps_count_once_against_the_cells_not_whole():
     rollout_s = float(w.work_s.sum()) / cfg.cell_capacity
     assert bound["work_bound_s"] >= (rollout_s + 10 * 500) / 16
     assert bound["work_bound_s"] < rollout_s / 16 + 10 * 500 * 0.2
+
+
+def test_the_critical_path_trains_on_the_fastest_world():
+    # Below 0.5 a doubling, a wider world trains fewer tokens/s than a narrow one: the
+    # critical path must charge training at the fastest world, not at every node (where
+    # it used to, putting elastic at 0.37 of the "lower bound" on this training-bound job).
+    from gyre_slurm.sched.policies import named_policy
+    from gyre_slurm.sim.bounds import fastest_throughput, lower_bound
+
+    cfg = load_config(None, ["cluster.num_nodes=4", "rollout.runs_per_node=8",
+                             "workload.num_steps=4", "workload.prompts_per_step=2",
+                             "workload.group_size=2", "workload.duration.mean_s=60",
+                             "workload.tokens_mean=100000", "training.max_staleness=0",
+                             "training.scaling_efficiency=0.3",
+                             "training.node_tokens_per_s=200"])
+    assert fastest_throughput(cfg) == train_throughput(cfg.training, 1)
+    w = sample_workload(cfg)
+    bound = lower_bound(cfg, w)["lower_bound_s"]
+    for name in ("elastic", "colocate"):
+        res = Simulator(cfg, named_policy(cfg, name), w).run()
+        assert res.makespan_s >= bound, name

@@ -47,6 +47,7 @@ def configs(draw):
         f"training.max_staleness={draw(st.integers(0, 2))}",
         f"training.node_tokens_per_s={draw(st.sampled_from([200, 2000, 20000]))}",
         f"training.optimizer_step_s={draw(st.sampled_from([0, 5, 300]))}",
+        f"training.scaling_efficiency={draw(st.sampled_from([0.3, 0.95]))}",
         f"handoff.train_state_load_s={draw(st.sampled_from([0, 30]))}",
         f"seed={draw(st.integers(0, 2**16))}",
         "scheduler.interval_s=10",

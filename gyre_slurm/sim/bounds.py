@@ -17,8 +17,8 @@
 - critical path: step k trains batch k, whose runs may start only once step
   k - s - 1 has finished (staleness bound s). Even alone on a cell a run takes
   work / rate(1); step k ends no sooner than its last run plus the training of that
-  run's group on every cell, nor sooner than step k - 1 plus the whole batch trained
-  on every cell; each plus the optimizer step.
+  run's group on the fastest world, nor sooner than step k - 1 plus the whole batch
+  trained on it; each plus the optimizer step.
 
 - staged: the two joined, step by step (what a workload whose demand changes needs:
   its early steps may be bound by work and its late ones by their tails). Step k is
@@ -100,6 +100,14 @@ def work_bound(cfg: GyreConfig, *, rollout_cell_s: float, tokens: float,
     return best
 
 
+def fastest_throughput(cfg: GyreConfig) -> float:
+    """The most tokens/s any training world trains: the widest one unless scaling
+    efficiency is below 0.5 a doubling, where a wider world trains fewer tokens/s."""
+    cell_nodes = cfg.cluster.cell_nodes
+    return max(train_throughput(cfg.training, width * cell_nodes)
+               for width in range(1, cfg.cluster.num_cells + 1))
+
+
 def replica_cells(cfg: GyreConfig) -> int:
     """Cells of the smallest training world: one model replica, in whole cells."""
     return math.ceil(cfg.training.min_replica_nodes / cfg.cluster.cell_nodes)
@@ -157,7 +165,7 @@ def _step_finishes(cfg: GyreConfig, w: Workload, *, staleness: int,
                          llm_fraction=cfg.workload.llm_time_fraction,
                          half_load_runs=cfg.rollout.half_load_runs, num_runs=0)
     rate = cells.rate_max
-    full = train_throughput(cfg.training, cfg.cluster.num_nodes)
+    full = fastest_throughput(cfg)
     opt_s = cfg.training.optimizer_step_s
     finish = np.zeros(w.num_steps)
     for k in range(w.num_steps):
