@@ -169,3 +169,21 @@ def test_the_critical_path_trains_on_the_fastest_world():
     for name in ("elastic", "colocate"):
         res = Simulator(cfg, named_policy(cfg, name), w).run()
         assert res.makespan_s >= bound, name
+
+
+@pytest.mark.parametrize("waits", [(), ("scheduler.confirm_s=5000", "scheduler.min_dwell_s=3000")])
+def test_a_policy_waiting_to_confirm_is_not_a_deadlock(waits):
+    # No training cell, the only batch done, its tokens ready: the policies wait to
+    # confirm a release (and for cells to dwell) before any cell moves. The simulator
+    # took 100 quiet ticks (100 s here) for a deadlock and failed every elastic policy.
+    from gyre_slurm.sched.policies import named_policy
+
+    cfg = load_config(None, ["cluster.num_nodes=4", "rollout.runs_per_node=2",
+                             "workload.num_steps=2", "workload.prompts_per_step=1",
+                             "workload.group_size=1", "workload.duration.mean_s=10",
+                             "scheduler.interval_s=1", "scheduler.min_train_cells=0", *waits])
+    w = sample_workload(cfg)
+    for name in ("elastic", "elastic-naive", "elastic-nofloor"):
+        res = Simulator(cfg, named_policy(cfg, name), w).run()
+        assert res.runs_finished == w.num_runs, name
+        assert res.makespan_s > cfg.scheduler.confirm_s, name

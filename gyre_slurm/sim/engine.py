@@ -402,7 +402,13 @@ class Simulator:
             self.idle_ticks = 0
             return
         self.idle_ticks += 1
-        if self.idle_ticks > 100:
+        # A policy may wait, with nothing moving, for a cell to dwell `min_dwell_s`, then
+        # up to `confirm_s` for its next plan and `confirm_s` more for a release to hold
+        # (elastic re-plans an unchanged state every `confirm_s`): only idle past all
+        # three, and 100 ticks, is a deadlock.
+        sched = self.cfg.scheduler
+        patience_s = 2 * sched.confirm_s + sched.min_dwell_s + 100 * sched.interval_s
+        if self.idle_ticks * sched.interval_s > patience_s:
             roles = {c.cell_id: c.role.value for c in obs.cells}
             raise SimDeadlock(
                 f"policy {self.policy.name}: nothing can progress at t={self.now:.0f}s "
