@@ -209,3 +209,32 @@ def test_a_floor_smaller_than_a_replica_does_not_deadlock_the_job():
     assert res.runs_finished == workload.num_runs
     reclaims = [d for d in res.decisions if d["to"] == "rollout"]
     assert reclaims and all(d["cell"] == 1 for d in res.decisions)  # cell 0 is the floor
+
+
+def test_a_floor_smaller_than_a_replica_starts_a_whole_replica_training():
+    """4 one-node cells, a 2-cell replica, floors of 1 rollout and 1 training cell, 2 runs
+    a step with a heavy tail (found by a wider draw of the property test's workloads).
+    The floor alone trains nothing, so staying on the floors never finishes; the opening
+    weighed starting a second cell in training against the gain over that (min_gain x
+    infinity), refused it, and moved the cell only after min_dwell_s and confirm_s: steps
+    0 and 1 trained 470 s late, and step 2's 4,476 s run started that much later (8.6%
+    behind the best fixed split). Moving later is also no sooner than dwell + confirm."""
+    cfg = load_config(None, [
+        "cluster.num_nodes=4", "cluster.cell_nodes=1", "training.min_replica_nodes=2",
+        "workload.num_steps=10", "workload.prompts_per_step=1", "workload.group_size=2",
+        "workload.duration.mean_s=1800", "workload.duration.sigma=1.5",
+        "workload.tokens_mean=20000", "rollout.runs_per_node=8",
+        "training.node_tokens_per_s=1688.9", "training.optimizer_step_s=18",
+        "training.microbatch_tokens=20000", "handoff.engine_release_s=36",
+        "handoff.group_rebuild_s=18", "handoff.train_state_load_s=54",
+        "handoff.weight_load_s=36", "handoff.engine_start_s=54", "rollout.weight_sync_s=18",
+        "rollout.reprefill_s=36", "rollout.call_interval_s=36", "scheduler.interval_s=36",
+        "seed=50866", "scheduler.confirm_s=90", "scheduler.min_dwell_s=360",
+        "workload.phases=[{from_step: 3, duration_scale: 0.4, tokens_scale: 2.0}]"])
+    elastic = named_policy(cfg, "elastic")
+    assert elastic.initial_layout(4).roles.count(T) == 2
+    workload = sample_workload(cfg)
+    made = simulate(cfg, elastic, workload).makespan_s
+    best = min(simulate(cfg, AsyncPolicy(rollout_cells=r, streaming=s), workload).makespan_s
+               for r in feasible_async_splits(cfg) for s in (False, True))
+    assert made <= 1.03 * best, made / best

@@ -136,7 +136,10 @@ class ElasticPolicy:
             plan = self.after_first_runs(outlook, obs, out[:m])
             if plan.rank < later.rank:
                 later = plan
-        left = max(stay.finish_s, 1e-9)
+        # The gain is weighed against the time the horizon takes as it is; where staying
+        # on the floors never finishes it (a floor smaller than a model replica), against
+        # starting there and moving later (min_gain x inf refused every opening).
+        left = max(stay.finish_s if math.isfinite(stay.finish_s) else later.finish_s, 1e-9)
         if best is stay or best.rank > later.rank or (
                 best.rank[0] == later.rank[0]
                 and later.finish_s - best.finish_s < self.cfg.min_gain * left):
@@ -152,9 +155,12 @@ class ElasticPolicy:
     def after_first_runs(self, outlook: Outlook, obs: Observation,
                          cells: list[CellObs]) -> Plan:
         """The opening plan of starting these cells in rollout and moving them to
-        training once their first runs have ended (a wait drain), as `decide` would."""
+        training once their first runs have ended (a wait drain), as `decide` would: no
+        sooner than the cells have dwelt `min_dwell_s` in their first role and the
+        release has held `confirm_s`."""
         roll, train = self.layout_now(obs, outlook)
-        first = longest_of(self.prior.durations.at(0), obs.cell_capacity)
+        first = max(longest_of(self.prior.durations.at(0), obs.cell_capacity),
+                    self.cfg.min_dwell_s) + self.cfg.confirm_s
         busy = dataclasses.replace(obs, runs_in_flight=1)  # training will be under way then
         for _ in cells:
             roll.change(first, -1)
