@@ -187,3 +187,24 @@ def test_a_policy_waiting_to_confirm_is_not_a_deadlock(waits):
         res = Simulator(cfg, named_policy(cfg, name), w).run()
         assert res.runs_finished == w.num_runs, name
         assert res.makespan_s > cfg.scheduler.confirm_s, name
+
+
+def test_runs_all_on_the_model_with_no_half_load_point_take_their_time():
+    # llm_time_fraction 1 and half_load_runs 0: a run's speed is capacity / load, and an
+    # empty cell's would be infinite. That advanced the empty cells' virtual clocks to
+    # infinity, the next run placed there ended at once, and colocate finished at 0.10
+    # of the lower bound (found by a wide random draw of configs).
+    from gyre_slurm.sched.policies import named_policy
+    from gyre_slurm.sim.bounds import lower_bound
+
+    cfg = load_config(None, ["cluster.num_nodes=4", "rollout.runs_per_node=4",
+                             "workload.num_steps=3", "workload.prompts_per_step=2",
+                             "workload.group_size=2", "workload.duration.mean_s=600",
+                             "workload.duration.sigma=1.0", "workload.llm_time_fraction=1.0",
+                             "rollout.half_load_runs=0", "seed=3"])
+    w = sample_workload(cfg)
+    bound = lower_bound(cfg, w)["lower_bound_s"]
+    for name in ("colocate", "elastic"):
+        res = Simulator(cfg, named_policy(cfg, name), w).run()
+        assert res.makespan_s >= bound, name
+        assert res.makespan_s >= w.work_s.max() / cfg.cell_capacity, name

@@ -24,8 +24,16 @@ def rate_by_load(*, capacity: int, llm_fraction: float, half_load_runs: float) -
     only the model-call share of a run's time slows down as the cell fills (the rollout
     model of the simulator, gyre_slurm/sim/rollout.py, which uses this)."""
     n = np.arange(capacity + 1, dtype=np.float64)
-    return 1.0 / ((1 - llm_fraction) + llm_fraction * (n + half_load_runs)
-                  / (capacity + half_load_runs))
+    with np.errstate(divide="ignore"):
+        rates = 1.0 / ((1 - llm_fraction) + llm_fraction * (n + half_load_runs)
+                       / (capacity + half_load_runs))
+    if capacity >= 1 and not np.isfinite(rates[0]):
+        # All of a run's time on the model and no half-load point (llm_time_fraction 1,
+        # half_load_runs 0): an empty cell's speed would be infinite, which advanced the
+        # simulator's clocks to infinity and ended the next run at once. A run that
+        # arrives on an empty cell is alone on it.
+        rates[0] = rates[1]
+    return rates
 
 
 @dataclass(frozen=True)
