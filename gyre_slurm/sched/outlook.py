@@ -159,9 +159,23 @@ class Outlook:
         for _ in range(parts):
             room = (slots - occ >= fits) & after
             hit = room.argmax()  # the first point with room (0 if none)
+            for _ in range(4):  # not within the span: look twice as far, up to 16x
+                if room[hit]:
+                    break
+                # (the fluid from the span's end alone started every run left there at
+                # once: with a queue many times the run slots, 3 cells of 2 slots,
+                # a step's rollout was expected in a fifth of its time)
+                span *= 2.0
+                ts = allowed + linspace(0.0, span, 64)
+                slots = rollout.counts_at(ts) * self.cap
+                occ = occupancy(self, ts)
+                after = ts >= start
+                added = None
+                room = (slots - occ >= fits) & after
+                hit = room.argmax()
             if room[hit]:
                 start = float(ts[hit])
-            else:  # not within the span: the fluid of run slots
+            else:  # not within 16 spans: the fluid of run slots
                 start = rollout.solve(ts[-1], part * s.mean_s)
             if math.isinf(start):
                 return math.inf
