@@ -148,11 +148,15 @@ class Outlook:
         parts = max(1, int(math.ceil(s.new_runs / part - 1e-9)))
         part = s.new_runs / parts
         span = (1.0 + s.new_runs / least) * s.mean_s + s.longest_s
-        ts = allowed + linspace(0.0, span, 64)
-        slots = rollout.counts_at(ts) * self.cap
+
+        def grid(span: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            """Times over the span, the run slots and the runs in flight at each."""
+            ts = allowed + linspace(0.0, span, 64)
+            return ts, rollout.counts_at(ts) * self.cap, occupancy(self, ts)
+
+        ts, slots, occ = grid(span)
         longest = longest_of(s.model, max(1, int(round(part))))
         end, start = allowed, allowed
-        occ = occupancy(self, ts)
         fits = min(part, max(slots.max(), 1.0) - 0.5)  # room a cohort needs
         after = ts >= start
         added = None  # (start, speed, its runs in flight on ts): cohorts often start together
@@ -166,9 +170,7 @@ class Outlook:
                 # once: with a queue many times the run slots, 3 cells of 2 slots,
                 # a step's rollout was expected in a fifth of its time)
                 span *= 2.0
-                ts = allowed + linspace(0.0, span, 64)
-                slots = rollout.counts_at(ts) * self.cap
-                occ = occupancy(self, ts)
+                ts, slots, occ = grid(span)
                 after = ts >= start
                 added = None
                 room = (slots - occ >= fits) & after

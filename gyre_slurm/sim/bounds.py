@@ -34,11 +34,10 @@ counted: they depend on the policy, and a bound must hold for all of them.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from gyre_slurm.config.schema import GyreConfig
+from gyre_slurm.sched.observe import min_train_cells
 from gyre_slurm.sim.rollout import RolloutCells
 from gyre_slurm.sim.training import train_throughput
 from gyre_slurm.sim.workload import Workload
@@ -46,9 +45,8 @@ from gyre_slurm.sim.workload import Workload
 
 def best_node_throughput(cfg: GyreConfig) -> float:
     """The highest trained tokens/s per node any training world reaches."""
-    t = cfg.training
-    smallest = math.ceil(t.min_replica_nodes / cfg.cluster.cell_nodes) * cfg.cluster.cell_nodes
-    return train_throughput(t, smallest) / smallest
+    smallest = min_train_cells(cfg) * cfg.cluster.cell_nodes
+    return train_throughput(cfg.training, smallest) / smallest
 
 
 def lower_bound(cfg: GyreConfig, w: Workload, *, staleness: int | None = None) -> dict:
@@ -75,15 +73,11 @@ def work_bound(cfg: GyreConfig, *, rollout_cell_s: float, tokens: float,
     optimizer_step_s of training's wall time and holds at least the smallest training
     world (one model replica's cells) for it: M = min over the frontier of
     max(tokens a + steps opt, (rollout + tokens b + steps opt replica_cells) / N)."""
-    num_cells, cell_nodes = cfg.cluster.num_cells, cfg.cluster.cell_nodes
+    num_cells = cfg.cluster.num_cells
     opt_wall = steps * cfg.training.optimizer_step_s
-    opt_cell_s = opt_wall * replica_cells(cfg)
-    points = []
-    for width in range(1, num_cells + 1):
-        thr = train_throughput(cfg.training, width * cell_nodes)
-        if thr > 0:
-            points.append((1.0 / thr, width / thr))
-    frontier = _lower_left_hull(points)
+    opt_cell_s = opt_wall * min_train_cells(cfg)
+    frontier = _lower_left_hull([(1.0 / thr, width / thr)
+                                 for width, thr in _throughputs(cfg) if thr > 0])
 
     def cost(a: float, b: float) -> float:
         return max(tokens * a + opt_wall, (rollout_cell_s + tokens * b + opt_cell_s) / num_cells)
@@ -103,14 +97,13 @@ def work_bound(cfg: GyreConfig, *, rollout_cell_s: float, tokens: float,
 def fastest_throughput(cfg: GyreConfig) -> float:
     """The most tokens/s any training world trains: the widest one unless scaling
     efficiency is below 0.5 a doubling, where a wider world trains fewer tokens/s."""
-    cell_nodes = cfg.cluster.cell_nodes
-    return max(train_throughput(cfg.training, width * cell_nodes)
-               for width in range(1, cfg.cluster.num_cells + 1))
+    return max(thr for _width, thr in _throughputs(cfg))
 
 
-def replica_cells(cfg: GyreConfig) -> int:
-    """Cells of the smallest training world: one model replica, in whole cells."""
-    return math.ceil(cfg.training.min_replica_nodes / cfg.cluster.cell_nodes)
+def _throughputs(cfg: GyreConfig) -> list[tuple[int, float]]:
+    """(width in cells, trained tokens/s) of every training world the cells can make."""
+    return [(width, train_throughput(cfg.training, width * cfg.cluster.cell_nodes))
+            for width in range(1, cfg.cluster.num_cells + 1)]
 
 
 def _lower_left_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
