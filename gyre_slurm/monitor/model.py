@@ -210,17 +210,25 @@ def segments(snap: Snapshot) -> tuple[list[tuple[int, float, float, str]], float
 
 def role_strip(segs: list, cell: int, *, span_end_s: float, width: int = 40,
                step_s: float = 1.0) -> str:
-    """The cell's role over the last `width` x `step_s` seconds: R, T, - (handoff), ' '."""
+    """The cell's role over the last `width` x `step_s` seconds: R, T, - (handoff), X
+    (failed), ' '. Each character is the role at its instant, except that a handoff or a
+    failure anywhere in the `step_s` before it shows: one shorter than a character is
+    still on the strip."""
     since = span_end_s - width * step_s
     mine = [s for s in segs if s[0] == cell and s[2] >= since]
     out = []
     for i in range(width):
         t = span_end_s - (width - 1 - i) * step_s
         label = next((s[3] for s in mine if s[1] <= t < s[2] + 1e-9), None)
-        if label is None or t < 0:
+        if t < 0:
             out.append(" ")
-        else:
-            out.append({"rollout": "R", "train": "T", "failed": "X"}.get(label, "-"))
+            continue
+        brief = [s[3] for s in mine if s[1] < t and s[2] > t - step_s
+                 and ("->" in s[3] or s[3] == "failed")]
+        if brief and label not in brief:
+            label = "failed" if "failed" in brief else brief[0]
+        out.append(" " if label is None else
+                   {"rollout": "R", "train": "T", "failed": "X"}.get(label, "-"))
     return "".join(out)
 
 
