@@ -208,6 +208,9 @@ def segments(snap: Snapshot) -> tuple[list[tuple[int, float, float, str]], float
     return role_segments(snap.events, end_t=snap.end_t)
 
 
+ROLE_CHARS = {"rollout": "R", "train": "T", "failed": "X"}  # a strip's characters; "-" moving
+
+
 def role_strip(segs: list, cell: int, *, span_end_s: float, width: int = 40,
                step_s: float = 1.0) -> str:
     """The cell's role over the last `width` x `step_s` seconds: R, T, - (handoff), X
@@ -227,8 +230,7 @@ def role_strip(segs: list, cell: int, *, span_end_s: float, width: int = 40,
                  and ("->" in s[3] or s[3] == "failed")]
         if brief and label not in brief:
             label = "failed" if "failed" in brief else brief[0]
-        out.append(" " if label is None else
-                   {"rollout": "R", "train": "T", "failed": "X"}.get(label, "-"))
+        out.append(" " if label is None else ROLE_CHARS.get(label, "-"))
     return "".join(out)
 
 

@@ -82,7 +82,7 @@ def cells_table(snap: model.Snapshot, segs: list, span_s: float) -> Table:
         label = f"{role} -> {target}" if target else role
         strip = model.role_strip(segs, c["cell"], span_end_s=span_s, width=STRIP_S)
         if strip and fresh:  # now: a handoff under way shows in status.json first
-            strip = strip[:-1] + {"rollout": "R", "train": "T", "failed": "X"}.get(role, "-")
+            strip = strip[:-1] + model.ROLE_CHARS.get(role, "-")
         table.add_row(Text(f"cell {c['cell']} [{','.join(c.get('nodes', []))}]"),
                       Text(label, style=role_style(role, target)), Text(str(c.get("runs", 0))),
                       strip_text(strip))
