@@ -122,7 +122,10 @@ def test_runs_nobody_started_are_refused_without_external_mode(engine, tmp_path)
 
 
 def test_external_runs_register_end_time_out_and_are_freed(engine, tmp_path):
-    policy = ExternalPolicy(key=EXT_KEY, prefix="ext-", max_runs=3, idle_timeout_s=0.6,
+    # the idle timeout must outlast the live phase's calls (b stays live from its call
+    # to stats-live, across c's generation): 0.6 s did not on a loaded 2-core machine,
+    # where b timed out, d-over-cap took its place and d-now was refused as ended
+    policy = ExternalPolicy(key=EXT_KEY, prefix="ext-", max_runs=3, idle_timeout_s=3.0,
                             max_run_s=60)
 
     async def go(gw, base):
@@ -141,9 +144,9 @@ def test_external_runs_register_end_time_out_and_are_freed(engine, tmp_path):
         out["end-a"] = await post(f"{base}/runs/ext-a/end", EXT_KEY)
         out["a-again"] = await post(url % "ext-a", EXT_KEY)
         out["stats-live"] = gw.run_stats()
-        # b and c go idle past 0.6 s: the reaper (every 0.15 s) ends them; wait for it
+        # b and c go idle past 3 s: the reaper (every 0.75 s) ends them; wait for it
         # rather than a fixed time (a busy machine may run the reaper late)
-        for _ in range(200):
+        for _ in range(300):
             await asyncio.sleep(0.1)
             if gw.run_stats()["external_runs"] == 0:
                 break
@@ -171,6 +174,27 @@ def test_external_runs_register_end_time_out_and_are_freed(engine, tmp_path):
     assert sorted(load_store(tmp_path / "external").runs) == ["ext-a", "ext-b", "ext-c",
                                                               "ext-d"]
     assert not (tmp_path / "job" / "calls").exists() or not load_store(tmp_path / "job").runs
+
+
+def test_a_call_longer_than_the_idle_timeout_does_not_make_its_run_idle():
+    """Idle means no call for `idle_timeout_s`: a run whose one call generates for longer
+    (a long answer) is neither marked ending mid-call nor ended; it goes idle from the
+    call's end. `max_run_s` still ends a run with a call in flight (after the call)."""
+    reg = RunRegistry(ExternalPolicy(key=EXT_KEY, idle_timeout_s=1.0, max_run_s=100.0))
+    auth = f"Bearer {EXT_KEY}".encode()
+    state = reg.admit("ext-long", auth, now=0.0)
+    state.in_flight, state.t_last = 1, 0.0  # as the gateway does when a call starts
+    assert reg.expired(now=50.0) == [] and not state.ending
+    assert reg.admit("ext-long", auth, now=50.0) is state  # a second call is admitted
+    state.in_flight, state.t_last = 0, 50.0  # the call ends at 50 s
+    assert reg.expired(now=50.5) == []
+    assert reg.expired(now=51.5) == ["ext-long"]
+    reg.end("ext-long")
+    late = reg.admit("ext-late", auth, now=0.0)
+    late.in_flight = 1
+    assert reg.expired(now=101.0) == [] and late.ending  # past max_run_s: no new calls
+    late.in_flight = 0
+    assert "ext-late" in reg.expired(now=101.0)
 
 
 def test_a_thousand_external_runs_leave_bounded_state():

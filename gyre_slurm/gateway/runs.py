@@ -121,15 +121,18 @@ class RunRegistry:
         return state
 
     def expired(self, now: float) -> list[str]:
-        """External runs to end now: idle or past their time, with no call in flight
-        (those with calls in flight are marked `ending`: no new call is admitted)."""
+        """External runs to end now: idle (no call in flight, none for
+        `idle_timeout_s`) or past `max_run_s`, with no call in flight (those past their
+        time with calls in flight are marked `ending`: no new call is admitted). A call
+        that runs longer than the idle timeout does not make its run idle."""
         ext, out = self.external, []
         if ext is None:
             return out
         for s in self.runs.values():
             if not s.external:
                 continue
-            if now - s.t_open > ext.max_run_s or now - s.t_last > ext.idle_timeout_s:
+            idle = s.in_flight == 0 and now - s.t_last > ext.idle_timeout_s
+            if now - s.t_open > ext.max_run_s or idle:
                 s.ending = True
             if s.ending and s.in_flight == 0:
                 out.append(s.run_id)
