@@ -116,7 +116,7 @@ def test_killed_node_agents_fail_their_cells_and_the_job_finishes(tmp_path):
     rebuilt from the survivor, the step's micro-batches are trained again, and every step
     is trained with nothing lost or repeated."""
     run_dir = tmp_path / "run"
-    num_steps = 4
+    num_steps = 6
     proc = start_run(run_dir, f"workload.num_steps={num_steps}")
     try:
         faults.wait_for(lambda: running_runs(run_dir), timeout_s=90, what="runs running")
@@ -125,8 +125,16 @@ def test_killed_node_agents_fail_their_cells_and_the_job_finishes(tmp_path):
         failed = faults.wait_event(run_dir, "cell_failed", cell=1, timeout_s=20)
         assert failed["t"] - killed_at < 8, failed  # agent_lost_s is 5 s
         assert failed["was"] == "rollout"
-        # the training node, once the step under way has trained something
-        faults.wait_event(run_dir, "microbatch", after=time.time(), timeout_s=60)
+        # the training node, once the step under way has trained something, with a step
+        # left to train after it: the next micro-batch call finds the node gone. (With 4
+        # steps, training worked through the rollouts' backlog at ~1.5 s a step while the
+        # first loss was found, the kill came after the job's last micro-batch, and the
+        # job ended before the heartbeat verdict: no cell_failed.)
+        since = time.time()
+        faults.wait_for(lambda: any(e["step"] < num_steps - 1 for e in
+                                    faults.events(run_dir, "microbatch") if e["t"] >= since),
+                        timeout_s=60, what=f"a micro-batch of a step before the last "
+                        f"({num_steps - 1}) after the first loss, in {run_dir}")
         killed_at = time.time()
         assert faults.kill(faults.agent_pid(run_dir, 3))
         failed = faults.wait_event(run_dir, "cell_failed", cell=3, timeout_s=20)
