@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,10 +77,18 @@ class LocalLauncher:
                     os.killpg(node.proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                try:
-                    node.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    log.warning("agent of node %d did not exit after SIGKILL", index)
+                # reaped off the caller's thread: the coordinator calls this on its event
+                # loop, and a process stuck in the kernel (a hung filesystem) can take
+                # seconds to die, a stall every other agent's heartbeat would wait out
+                threading.Thread(target=self._reap, args=(node,), daemon=True,
+                                 name=f"reap-agent-{index}").start()
+
+    @staticmethod
+    def _reap(node: NodeProcess) -> None:
+        try:
+            node.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            log.warning("agent of node %d did not exit 30 s after SIGKILL", node.index)
 
     def stop(self, *, timeout_s: float = 15.0) -> None:
         for node in self.nodes:
