@@ -34,6 +34,12 @@ FAST = [
 # the job.
 WATERLEVEL = ["scheduler.forecast=false", "scheduler.hysteresis=0", "scheduler.interval_s=0.2",
               "scheduler.drain=migrate"]
+# Training paced to about 1.5 s a step on one cell: with WATERLEVEL, every step then has a
+# time when no run may start (staleness 1: step k + 2 waits for step k's training), so the
+# rollout cells empty and one is released, and the next batch queues and reclaims one.
+# Unpaced, the tiny model trained a step in milliseconds and whether a queue ever formed
+# after a release depended on timing: on a loaded machine a run moved one cell once, one way.
+PACED = ["trainer.pace=true", "training.node_tokens_per_s=200"]
 
 
 def gyre_run(run_dir: Path, *extra: str, resume: bool = False, timeout_s: float = 300):
@@ -133,16 +139,10 @@ def check_summary(stdout: str, run_dir: Path, events: list[dict], records: list[
 def test_elastic_moves_cells_both_ways(tmp_path):
     # Runs of ~1 s against a ~1 s handoff: the forecast would rightly see most queues
     # drain before a reclaimed cell could serve, so it is off here, with no hysteresis
-    # and a fast policy tick, so that both directions happen in a short run (WATERLEVEL).
-    # Training is paced (about 1.5 s a step on one cell) so that every step has a time
-    # when no run may start (staleness 1: step k + 2 waits for step k's training): the
-    # rollout cells empty and are released; the next batch (8 runs) then queues on the
-    # one cell left (4 slots) and a cell is reclaimed. Unpaced, the tiny model trained a
-    # step in milliseconds and whether a queue ever formed after a release depended on
-    # timing: under a loaded CI machine a run moved one cell once, one way.
+    # and a fast policy tick, so that both directions happen in a short run (WATERLEVEL);
+    # training is PACED, so the next batch (8 runs) queues on the one cell left (4 slots).
     run_dir = tmp_path / "elastic"
-    proc = gyre_run(run_dir, *FAST, "workload.num_steps=8", *WATERLEVEL,
-                    "trainer.pace=true", "training.node_tokens_per_s=200",
+    proc = gyre_run(run_dir, *FAST, "workload.num_steps=8", *WATERLEVEL, *PACED,
                     "agent.env_params={tool_mean_s: 1.0, tool_sigma: 0.5, tool_max_s: 3.0}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     events = check_run_dir(run_dir, num_steps=8)

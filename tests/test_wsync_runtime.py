@@ -14,7 +14,7 @@ import pytest
 import faults
 from runtime_checks import check_run_dir
 from test_faults_nodes import finish, kill_node, start_run, stopped_rank
-from test_runtime_e2e import FAST, WATERLEVEL, gyre_run
+from test_runtime_e2e import FAST, PACED, WATERLEVEL, gyre_run
 
 pytestmark = pytest.mark.slow
 STREAM = ["rollout.weight_sync=stream"]
@@ -51,13 +51,10 @@ def check_served_policy_is_the_trainers(events: list[dict]) -> None:
 
 
 def test_elastic_streams_every_policy_and_a_released_cell_gets_the_current_one(tmp_path):
-    # Training paced (~1.5 s a step on one cell), as in test_elastic_moves_cells_both_ways:
-    # every step then has a time when no run may start, so a cell is released, and the
-    # next batch queues and reclaims one. Unpaced, on a loaded 2-core machine, the one
-    # release came in the job's tail and no cell ever came back (CI: rollout->train 1).
+    # PACED: unpaced, on a loaded 2-core machine, the one release came in the job's tail
+    # and no cell ever came back (CI: rollout->train 1)
     run_dir = tmp_path / "elastic"
-    proc = gyre_run(run_dir, *FAST, *STREAM, "workload.num_steps=6", *WATERLEVEL,
-                    "trainer.pace=true", "training.node_tokens_per_s=200",
+    proc = gyre_run(run_dir, *FAST, *STREAM, "workload.num_steps=6", *WATERLEVEL, *PACED,
                     "rollout.weight_bucket_mb=0.2",
                     "agent.env_params={tool_mean_s: 1.0, tool_sigma: 0.5, tool_max_s: 3.0}")
     assert proc.returncode == 0, proc.stderr[-4000:]
