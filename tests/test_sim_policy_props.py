@@ -113,13 +113,32 @@ def test_elastic_against_the_lower_bound_on_every_preset(name):
     assert elastic.makespan_s <= MISSED.get(name, 1.15) * bound, elastic.makespan_s / bound
 
 
+# The drain case: 8 one-node cells of 2 slots, 8 runs a step of a heavy tail (sigma 1.5)
+# that grow 10% a step, training a fifth of the work; one of the property test's draws.
+# On nl2repo-122b at sigma 1.2 (the case until session 35) both drains got faster when
+# the outlook took a step's tail from all its runs and migrating came within 0.2% of
+# waiting there: no longer a case where the choice matters.
+HEAVY_TAIL = [
+    "cluster.num_nodes=8", "cluster.cell_nodes=1", "workload.num_steps=6",
+    "workload.prompts_per_step=4", "workload.group_size=2", "workload.duration.mean_s=1800",
+    "workload.duration.sigma=1.5", "workload.tokens_mean=20000", "rollout.runs_per_node=2",
+    "training.node_tokens_per_s=33.3333", "training.max_staleness=1",
+    "training.optimizer_step_s=18", "training.microbatch_tokens=20000",
+    "handoff.engine_release_s=36", "handoff.group_rebuild_s=18",
+    "handoff.train_state_load_s=54", "handoff.weight_load_s=36", "handoff.engine_start_s=54",
+    "rollout.weight_sync_s=18", "rollout.reprefill_s=36", "rollout.call_interval_s=36",
+    "scheduler.interval_s=36", "seed=377", "scheduler.confirm_s=90",
+    "scheduler.min_dwell_s=360",
+    "workload.phases=[{from_step: 0, duration_scale: 0.5, growth_per_step: 0.1, "
+    "tokens_growth_per_step: 0.25}]"]
+
+
 @pytest.mark.slow
 def test_the_auto_drain_waits_where_the_tail_is_heavy():
     """The issue's case: on a heavy-tailed workload migrating moves a step's longest runs
     onto busier cells and the wait drain is faster; scheduler.drain: auto (per release,
     the drain the outlook expects to end sooner) finishes with the better of the two."""
-    cfg = load_config(preset_path("nl2repo-122b"),
-                      ["workload.duration.sigma=1.2", "workload.num_steps=8"])
+    cfg = load_config(None, HEAVY_TAIL)
     workload = sample_workload(cfg)
     made = {drain: simulate(cfg, make_elastic(cfg, drain=drain), workload).makespan_s
             for drain in ("auto", "wait", "migrate")}
