@@ -13,8 +13,9 @@ The model, per step k of the horizon (every quantity an expectation from the pri
 - rollout is a fluid of run slots S(t) = cap x rollout cells(t): the work of runs in
   flight (their expected remaining time) and of the runs not yet started, in step
   order, each step's new runs no sooner than the step is allowed (A_k: now, or when
-  step k - s - 1 is trained); step k's rollout ends at
-  F_k = max(in-flight tail, A_k + longest of its new runs, fluid end + half a run);
+  step k - s - 1 is trained), in cohorts as slots free up; step k's rollout ends when
+  fewer than n / (n + 1) of all its n runs (in flight and in every cohort) are expected
+  still running, no sooner than any cohort's own longest run;
 - training trains step k at tokens/s thr(train cells(t)) (whole replicas only, with the
   scaling efficiency per doubling); it ends at
   TE_k = max(TE_{k-1} + tokens_k, F_k + a group's tokens) in trained tokens (streaming;
@@ -191,6 +192,35 @@ class Outlook:
             end = max(end, start + longest / speed)
         return end
 
+    def _last_end(self, s: StepOutlook, end: float) -> float:
+        """When a step's last run is expected to end: once fewer than n / (n + 1) of its
+        n runs (in flight now and in every cohort started) are expected still running.
+        `end`, the latest of each cohort's own longest run, is a floor: the longest of a
+        step's 12 runs outlasts the longest of each of its 4 cohorts of 3 (at sigma 1.5,
+        8 cells of 2 slots, every decision expected the horizon trained a quarter sooner
+        than it was)."""
+        mine = [c for c in self.cohorts if c[0] == s.step]
+        n = s.inflight + sum(c[2] for c in mine)
+        if not mine or n <= 1 or not math.isfinite(end):
+            return end
+        target = n / (n + 1)
+        lo = max(c[1] for c in mine)  # after the last cohort starts, fewer and fewer run
+        slow = min(c[4] for c in mine)
+        hi = max(end, lo + longest_of(s.model, int(math.ceil(n))) / slow)
+        for _ in range(6):
+            ts = linspace(lo, hi, 48)
+            alive = occupancy(self, ts, step=s.step)
+            below = np.flatnonzero(alive < target)
+            if below.size:
+                i = int(below[0])
+                if i == 0:
+                    return end
+                a0, a1 = alive[i - 1], alive[i]
+                frac = (a0 - target) / max(a0 - a1, 1e-12)
+                return max(end, float(ts[i - 1] + frac * (ts[i] - ts[i - 1])))
+            lo, hi = hi, lo + 2.0 * (hi - lo)
+        return max(end, hi)
+
     def finish_s(self, rollout: Capacity, train: Capacity) -> tuple[float, list[float], list[float]]:
         """When the horizon's last step is trained under this plan; and per step, the
         rollout end F_k and the training end TE_k. Steps are trained in order, each as
@@ -215,6 +245,7 @@ class Outlook:
             end = self.now_s + s.inflight_tail_s / now_speed
             if s.new_runs and s.model is not None:
                 end = max(end, self._start_new(s, rollout, allowed, window))
+                end = self._last_end(s, end)
             rollout_end.append(end)
             j = i - self.staleness  # its training end allows the step after this one
             final = i + 1 == n and self.steps_after == 0  # the job's last: lent for good
