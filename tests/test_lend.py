@@ -3,6 +3,7 @@ step's tail and takes them back when the next batch is allowed; every lend and r
 says what it expected."""
 
 import collections
+from pathlib import Path
 
 import pytest
 
@@ -69,3 +70,32 @@ def test_lending_needs_a_one_cell_replica_four_cells_and_keeps_half_of_them():
     assert lending.cells(Obs(3, 1)) == 0  # a lent cell would be half the rollout side
     assert lending.cells(Obs(16, 4)) == 0  # a lent cell short of a replica trains nothing
     assert policy.lending.most == 6
+
+
+def test_a_lend_waits_for_the_dwell_and_gives_way_to_the_base_layouts_move():
+    """The real-run benchmark's workload (8 cells, light steps first): without the two
+    rules a cell was lent at 1.5 s, before any cell may move (`min_dwell_s` 3 s), for a
+    gain measured against staying, and the lent cells held the base layout: its opening
+    release of 6 cells, 4.5 s without lending, waited until 28 s. Now every lend comes
+    after its cell has dwelt, the opening is the one without lending, and a lend says
+    which base move it was weighed against."""
+    path = Path(__file__).resolve().parent.parent / "configs" / "bench-modes-phases.yaml"
+    made = {}
+    for lend in (0, 4):
+        cfg = load_config(path, [f"scheduler.lend_cells={lend}"])
+        made[lend] = (cfg, simulate(cfg, named_policy(cfg, "elastic"), sample_workload(cfg)))
+    (_, off), (cfg, on) = made[0], made[4]
+    opening = [(d["t"], d["cell"], d["to"]) for d in off.decisions if d["t"] < 10]
+    assert opening and [(d["t"], d["cell"], d["to"]) for d in on.decisions
+                        if d["t"] < 10] == opening
+    moved = collections.defaultdict(float)  # cell -> when it last changed role
+    lends = 0
+    for d in on.decisions:
+        e = d.get("expected") or {}
+        if e.get("plan") == "lend":
+            lends += 1
+            assert d["t"] - moved[d["cell"]] >= cfg.scheduler.min_dwell_s, d
+            base = e["best_move_without_lending"]
+            assert base is None or base["finish_s"] > e["finish_s"], e
+        moved[d["cell"]] = d["t"]
+    assert lends >= 1

@@ -65,11 +65,12 @@ class TailLending:
                          "cancel_drain" if c.role is Role.DRAINING else "reclaim", reason,
                          expected=expected) for c in back]
 
-    def candidate(self, obs: Observation) -> CellObs | None:
+    def candidate(self, obs: Observation, min_dwell_s: float = 0.0) -> CellObs | None:
         """The cell to lend now, if any: no run queued (a later batch not yet allowed, or
         the job's last runs all started: then lent for good); training has a whole replica and at least one handoff's time of tokens
-        ready; no cell in transit; the least-loaded elastic rollout cell's runs fit in
-        the free slots of the other rollout cells (at least one stays)."""
+        ready; no cell in transit; the least-loaded elastic rollout cell that has dwelt
+        `min_dwell_s` in its role (as any move must) and whose runs fit in the free
+        slots of the other rollout cells (at least one stays)."""
         if self.cells(obs) <= len(self.lent) or obs.runs_queued > 0:
             return None
         train = [c for c in obs.cells if c.role is Role.TRAIN]
@@ -78,7 +79,7 @@ class TailLending:
             return None
         if self.backlog_s(obs) < obs.handoff_to_train_s:
             return None
-        out = releasable_cells(obs, 0.0)
+        out = releasable_cells(obs, min_dwell_s)
         roll = [c for c in obs.cells if c.role is Role.ROLLOUT]
         if not out or len(roll) <= 1:
             return None
