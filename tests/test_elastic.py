@@ -153,6 +153,26 @@ def test_a_drain_is_expected_from_each_run_s_own_step():
     assert 40.0 < tail < 120.0, tail
 
 
+def test_a_migrate_drain_lasts_until_its_runs_next_calls():
+    """A migrating run leaves its cell at its next model call: the drain is expected to
+    last the longest of its runs' waits (H_n mean gaps for n runs), no longer than
+    waiting for them to end; with calls every 30 s a cell of 4 runs takes 62.5 s, not
+    none (the lending outlook took a lent cell to arrive a handoff after the lend; on
+    the benchmark's workload the first lent cell took 25 s to drain)."""
+    import dataclasses
+
+    p = policy()
+    base = observe([R, T, R, R], [4, 0, 4, 4])
+    cell = base.cells[2]
+    assert p.drain_eta(base, None, cell, "migrate") == base.now_s  # no interval known
+    calls = dataclasses.replace(base, call_interval_s=30.0)
+    assert p.drain_eta(calls, None, cell, "migrate") == pytest.approx(
+        base.now_s + 30.0 * (1 + 1 / 2 + 1 / 3 + 1 / 4))
+    slow = dataclasses.replace(base, call_interval_s=1e6)  # ends sooner than it calls
+    assert p.drain_eta(slow, None, cell, "migrate") == pytest.approx(
+        p.drain_eta(slow, None, cell, "wait"))
+
+
 def test_the_speed_memo_answers_as_interp_and_stays_bounded():
     """WorkloadPrior.speed remembers the loads it was asked (the outlook asks the same few
     again and again) but loads are floats: a coordinator running for days must not keep

@@ -72,22 +72,33 @@ def test_lending_needs_a_one_cell_replica_four_cells_and_keeps_half_of_them():
     assert policy.lending.most == 6
 
 
-def test_a_lend_waits_for_the_dwell_and_gives_way_to_the_base_layouts_move():
-    """The real-run benchmark's workload (8 cells, light steps first): without the two
-    rules a cell was lent at 1.5 s, before any cell may move (`min_dwell_s` 3 s), for a
-    gain measured against staying, and the lent cells held the base layout: its opening
-    release of 6 cells, 4.5 s without lending, waited until 28 s. Now every lend comes
-    after its cell has dwelt, the opening is the one without lending, and a lend says
-    which base move it was weighed against."""
-    path = Path(__file__).resolve().parent.parent / "configs" / "bench-modes-phases.yaml"
+def _with_and_without_lending(name):
+    path = Path(__file__).resolve().parent.parent / "configs" / name
     made = {}
     for lend in (0, 4):
         cfg = load_config(path, [f"scheduler.lend_cells={lend}"])
         made[lend] = (cfg, simulate(cfg, named_policy(cfg, "elastic"), sample_workload(cfg)))
-    (_, off), (cfg, on) = made[0], made[4]
+    return made[0][1], made[4][0], made[4][1]
+
+
+def test_a_lend_gives_way_to_the_base_layouts_opening():
+    """The real-run benchmark's workload (8 cells, light steps first): a cell was lent
+    at 1.5 s, before any cell may move (`min_dwell_s` 3 s), for a gain measured against
+    staying, and the lent cells held the base layout: its opening release of 6 cells,
+    at 4.5 s without lending, waited until 28 s (348.6 s against 300.9 s). The opening
+    is now the one without lending."""
+    off, _, on = _with_and_without_lending("bench-modes-phases.yaml")
     opening = [(d["t"], d["cell"], d["to"]) for d in off.decisions if d["t"] < 10]
     assert opening and [(d["t"], d["cell"], d["to"]) for d in on.decisions
                         if d["t"] < 10] == opening
+    assert on.makespan_s <= 1.01 * off.makespan_s, (on.makespan_s, off.makespan_s)
+
+
+def test_a_lend_waits_for_the_dwell_and_names_the_base_move_it_beat():
+    """Every lend comes after its cell has dwelt `min_dwell_s` in rollout, as any move
+    must, and says which move of the base layout (without lending) it was weighed
+    against: one expected to finish later than the lend, or none."""
+    _, cfg, on = _with_and_without_lending("bench-modes-phases-tail.yaml")
     moved = collections.defaultdict(float)  # cell -> when it last changed role
     lends = 0
     for d in on.decisions:
@@ -96,6 +107,6 @@ def test_a_lend_waits_for_the_dwell_and_gives_way_to_the_base_layouts_move():
             lends += 1
             assert d["t"] - moved[d["cell"]] >= cfg.scheduler.min_dwell_s, d
             base = e["best_move_without_lending"]
-            assert base is None or base["finish_s"] > e["finish_s"], e
+            assert base is None or base["finish_s"] >= e["finish_s"], e  # (rounded)
         moved[d["cell"]] = d["t"]
     assert lends >= 1

@@ -77,3 +77,22 @@ def test_trajectories_are_built_while_the_event_loop_keeps_running(tmp_path, mon
     events = [json.loads(line) for line in rd.events_file.read_text().splitlines()]
     assert [e["trajectories"] for e in events if e["kind"] == "run_end"] == [1]
     assert not rd.runs_file.exists()  # a run this manager never started: not recorded
+
+
+def test_the_time_between_a_runs_calls_is_measured_from_the_runs_in_flight(tmp_path):
+    """The policy expects a migrating run to leave at its next model call, so the
+    coordinator tells it the mean time between calls it sees: the runs in flight that
+    have called, their time so far over their calls (the gateway's counts); none before
+    any has called (the policy then takes the configured rollout.call_interval_s)."""
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [])
+    rd = RunDir(tmp_path / "run")
+    rd.create(cfg)
+    book = StepBook(num_steps=1, prompts_per_step=1, group_size=3, staleness=0)
+    manager = RolloutManager(cfg=cfg, rd=rd, book=book, gateway=None,
+                             gateway_url="http://127.0.0.1:9", flush_calls=lambda: None)
+    a, b, c = (run_id_of(0, 0, g) for g in range(3))
+    manager.started_at.update({a: 100.0, b: 130.0, c: 139.0})
+    calls = {a: 4, b: 2}  # c has not called yet
+    assert manager.call_interval_s(140.0, lambda rid: calls.get(rid, 0)) == \
+        (40.0 + 10.0) / 6
+    assert manager.call_interval_s(140.0, lambda rid: 0) is None

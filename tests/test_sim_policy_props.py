@@ -98,9 +98,11 @@ PRESETS = [name for name in preset_names() if name != "small"]
 # 1.212 to 1.246 when the bound stopped adding its 48 optimizer steps of 120 s to the
 # makespan whole (rollout goes on meanwhile): the policy is unchanged. Measured at b5d6997
 # (a step's tail from all its runs, a horizon of 2 steps): deepswe-122b 1.198,
-# nl2repo-2.4t 1.248, terminalbench-122b-growing 1.2296, deepswe-122b-curriculum 1.198.
+# nl2repo-2.4t 1.248, terminalbench-122b-growing 1.2296, deepswe-122b-curriculum 1.198;
+# since a migrate drain is expected to last until its runs' next calls (session 37):
+# nl2repo-2.4t 1.2445, deepswe-122b-curriculum 1.187.
 MISSED = {"deepswe-122b": 1.20, "nl2repo-2.4t": 1.25, "terminalbench-122b-growing": 1.23,
-          "deepswe-122b-curriculum": 1.20}
+          "deepswe-122b-curriculum": 1.19}
 
 
 @pytest.mark.slow

@@ -285,7 +285,10 @@ class RolloutConfig:
     reprefill_s: float = key(30.0, "simulator: extra time a migrated run pays on its new cell")
     weight_sync_s: float = key(10.0, "simulator: serving cells stall this long to load each "
                                      "new policy")
-    call_interval_s: float = key(30.0, "simulator: mean time between a run's model calls")
+    call_interval_s: float = key(30.0, "mean time between a run's model calls: the simulator "
+                                       "draws calls from it; the elastic policy expects a "
+                                       "migrating run to leave at its next call (the "
+                                       "runtime measures it once runs have called)")
     engine: Literal["embedded", "vllm"] = key("embedded", "the rollout engine")
     python: str | None = key(None, "the engine's interpreter: a path, env:<role> "
                                    "(tools/role-env), or null (gyre's own)")

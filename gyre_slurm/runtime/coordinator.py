@@ -346,7 +346,8 @@ class Coordinator:
             streaming=True,  # the runtime trains every ready group as it comes
             train_tokens_per_cell_s=self.training.tokens_per_cell_s(),
             tokens_per_run=float(statistics.fmean(traj_tokens)) if traj_tokens else 100.0,
-            handoff=self.cfg.handoff)
+            handoff=self.cfg.handoff,
+            call_interval_s=self.rollouts.call_interval_s(now, self.gateway.calls_of))
 
     def cell_runs(self, cell: int, load: dict) -> int:
         """Runs on the cell's servers (`load`: the gateway's server_load())."""

@@ -115,6 +115,18 @@ class RolloutManager:
     def elapsed_s(self, now: float) -> list[float]:
         return [now - t for t in self.started_at.values()]
 
+    def call_interval_s(self, now: float, calls_of) -> float | None:
+        """The mean time between a run's model calls, over the runs in flight that have
+        called (`calls_of(run_id)`: the gateway's count): their time so far over their
+        calls. None before any has called."""
+        calls = elapsed = 0.0
+        for rid, t in self.started_at.items():
+            n = calls_of(rid)
+            if n > 0:
+                calls += n
+                elapsed += now - t
+        return elapsed / calls if calls else None
+
     def run_steps(self) -> list[int]:
         """The step of each run in flight, in the order of `elapsed_s`."""
         return [self.book.runs[rid].step for rid in self.started_at]

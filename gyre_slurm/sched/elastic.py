@@ -42,8 +42,8 @@ from gyre_slurm.config.schema import SchedulerConfig
 from gyre_slurm.sched.cells import Role
 from gyre_slurm.sched.lend import TailLending
 from gyre_slurm.sched.outlook import (Capacity, Outlook, StepOutlook, WorkloadPrior,
-                                      build_outlook, longest_of, mixed_alive_curve,
-                                      residual_tail)
+                                      build_outlook, longest_of, migrate_wait_s,
+                                      mixed_alive_curve, residual_tail)
 from gyre_slurm.sched.rule import (WaterlevelRule, draining_to_train, releasable_cells,
                                    takeable_train_cells)
 from gyre_slurm.sched.types import CellObs, Decision, Layout, Observation
@@ -386,8 +386,13 @@ class ElasticPolicy:
     def drain_eta(self, obs: Observation, outlook: Outlook, cell: CellObs, drain: str) -> float:
         """When a cell leaving rollout has no runs left: at once if it has none, after
         its runs' next calls if they migrate, after its runs' expected tail if it waits."""
-        if cell.active_runs == 0 or drain == "migrate":
+        if cell.active_runs == 0:
             return obs.now_s
+        if drain == "migrate":  # each run leaves at its next call, or ends first
+            if obs.call_interval_s <= 0:
+                return obs.now_s
+            wait = migrate_wait_s(obs.call_interval_s, cell.active_runs)
+            return obs.now_s + min(wait, self.cell_tail_s(obs, cell.active_runs))
         return obs.now_s + self.cell_tail_s(obs, cell.active_runs)
 
     def cell_tail_s(self, obs: Observation, runs: int) -> float:

@@ -37,9 +37,12 @@ def min_train_cells(cfg: GyreConfig) -> int:
 def build_observation(*, cfg: GyreConfig, now_s: float, table: CellTable,
                       cell_runs: Mapping[int, int], runs: RunsNow, ledger: WorkLedger,
                       version: int, streaming: bool, train_tokens_per_cell_s: float,
-                      tokens_per_run: float, handoff: HandoffConfig) -> Observation:
+                      tokens_per_run: float, handoff: HandoffConfig,
+                      call_interval_s: float | None = None) -> Observation:
     """`cell_runs`: runs each cell serves now; `version`: the step being trained;
-    `handoff`: the costs the policy is told (configured or measured)."""
+    `handoff`: the costs the policy is told (configured or measured); `call_interval_s`:
+    the mean time between a run's model calls, measured (None: the configured
+    `rollout.call_interval_s`)."""
     cells = tuple(CellObs(c.cell_id, c.role, c.target, c.standalone,
                           int(cell_runs.get(c.cell_id, 0)), c.since_s) for c in table.cells)
     return Observation(
@@ -55,6 +58,8 @@ def build_observation(*, cfg: GyreConfig, now_s: float, table: CellTable,
         handoff_to_train_s=handoff.to_train_s, handoff_to_rollout_s=handoff.to_rollout_s,
         step_runs_left=ledger.step_runs_left(version),
         run_steps=runs.steps,
+        call_interval_s=cfg.rollout.call_interval_s if call_interval_s is None
+        else float(call_interval_s),
     )
 
 
@@ -76,4 +81,4 @@ def opening_observation(cfg: GyreConfig) -> Observation:
         tokens_per_run=w.tokens_mean * per_token * step_shape(cfg, 0).tokens_scale,
         policy_version=0, steps_done=0, num_steps=w.num_steps,
         handoff_to_train_s=cfg.handoff.to_train_s, handoff_to_rollout_s=cfg.handoff.to_rollout_s,
-        run_steps=np.zeros(0, dtype=np.int64))
+        run_steps=np.zeros(0, dtype=np.int64), call_interval_s=cfg.rollout.call_interval_s)

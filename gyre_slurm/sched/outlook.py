@@ -123,8 +123,9 @@ class Outlook:
     speed: Callable[[float], float] = lambda load: 1.0  # a run's speed at a cell's load
     concurrency: int = 0  # runs a staleness window holds (0: those known now)
     trained_before: dict[int, float] = field(default_factory=dict)  # TE of steps before
-    lend: tuple[float, float, int] | None = None  # (to train, to rollout) handoff seconds
-    #   and cells at most: spare rollout cells train in steps' tails (the policy lends them)
+    lend: tuple[float, float, int, float] | None = None  # (to train, to rollout) handoff
+    #   seconds, cells at most, and the mean time between a run's calls (a lent cell's runs
+    #   migrate at their next): spare rollout cells train in steps' tails (the policy lends them)
     steps_after: int = 0  # steps of the job after the horizon's last
     hidden: int = 0  # steps at the end of `steps` past the horizon: simulated only for
     #                  the lending in their tails (the horizon's last step trains then)
@@ -277,11 +278,13 @@ class Outlook:
               train_end: list[float], te: dict[int, float], *, final: bool) -> None:
         """Step i's tail: once its last runs have started and until the step after it is
         allowed (when the step `staleness` before it is trained), the rollout cells its
-        runs in flight leave spare (all but one, `lend[2]` at most) train, arriving a
-        handoff later; they go back when that step is trained and serve rollout again a
-        handoff later. A cell that would arrive after that is not lent. In the job's
-        last step (`final`) they train to the end."""
-        h_t, h_r, most = self.lend
+        runs in flight leave spare (all but one, `lend[2]` at most) train, arriving once
+        their runs have migrated (each at its next model call, `lend[3]` apart on
+        average: a cell of the mean load then) and a handoff later; they go back when
+        that step is trained and serve rollout again a handoff later. A cell that would
+        arrive after that is not lent. In the job's last step (`final`) they train to
+        the end."""
+        h_t, h_r, most, call_s = self.lend
         s = self.steps[i]
         starts = [c[1] for c in self.cohorts if c[0] == s.step]
         lo = max([self.now_s] + starts)
@@ -291,27 +294,39 @@ class Outlook:
             return
         ts = linspace(lo, hi, 16)
         cells = rollout.counts_at(ts)
-        spare = np.minimum(np.floor(cells - occupancy(self, ts) / self.cap + 1e-9), cells - 1)
+        occ = occupancy(self, ts)
+        spare = np.minimum(np.floor(cells - occ / self.cap + 1e-9), cells - 1)
         spare = np.maximum.accumulate(np.clip(spare, 0, most))
         steps = np.diff(np.concatenate(([0.0], spare)))
-        lent = [(float(t), float(d)) for t, d in zip(ts, steps) if d > 0]
-        for t, d in lent:
+        load = occ / np.maximum(cells, 1)
+        wait = np.array([migrate_wait_s(call_s, max(1, int(x))) for x in load])
+        # (when lent, cells, when they arrive in training)
+        lent = [(float(t), float(d), float(t + w + h_t))
+                for t, d, w in zip(ts, steps, wait) if d > 0]
+        for t, d, at in lent:
             rollout.change(t, -d)
-            train.change(t + h_t, +d)
+            train.change(at, +d)
         until = self._train_next(train, rollout_end, train_end, te)
         while final and len(train_end) < len(self.steps):
             until = self._train_next(train, rollout_end, train_end, te)
         kept = 0.0
-        for t, d in lent:
-            if t + h_t >= until:  # too late to train any of it: not lent
+        for t, d, at in lent:
+            if at >= until:  # too late to train any of it: not lent
                 rollout.change(t, +d)
-                train.change(t + h_t, -d)
+                train.change(at, -d)
             else:
                 kept += d
         if kept and not final:
             train.change(until, -kept)
             rollout.change(until + h_r, +kept)
-        self.lent_cell_s += sum((until - t - h_t) * d for t, d in lent if t + h_t < until)
+        self.lent_cell_s += sum((until - at) * d for t, d, at in lent if at < until)
+
+
+def migrate_wait_s(call_interval_s: float, runs: int) -> float:
+    """How long a cell's `runs` take to leave it when they migrate: each at its next
+    model call, the gaps between calls taken as exponential (memoryless: a run's wait
+    from now is a whole gap), so the last of n leaves after H_n mean gaps."""
+    return call_interval_s * sum(1.0 / i for i in range(1, max(0, runs) + 1))
 
 
 LEVELS = np.array([0.25, 0.5, 0.75, 0.9, 0.97])
@@ -593,6 +608,7 @@ def build_outlook(obs: Observation, p: WorkloadPrior, *, horizon_steps: int,
                    train_rate=train_rate_fn(obs.train_tokens_per_cell_s,
                                             min_cells=obs.min_train_cells,
                                             efficiency=p.scaling_efficiency),
-                   lend=(obs.handoff_to_train_s, obs.handoff_to_rollout_s, lend_cells)
+                   lend=(obs.handoff_to_train_s, obs.handoff_to_rollout_s, lend_cells,
+                         obs.call_interval_s)
                    if lend_cells > 0 else None,
                    steps_after=obs.num_steps - 1 - last - hidden, hidden=hidden)

@@ -53,6 +53,9 @@ class Observation:
     handoff_to_rollout_s: float
     step_runs_left: int = 0  # runs of the step being trained that have not finished
     run_steps: np.ndarray | None = None  # the step of every run in flight (as run_elapsed_s)
+    # Mean time between a run's model calls (measured, or configured): a run migrating off
+    # a cell leaves at its next call, so a migrate drain lasts its runs' longest wait.
+    call_interval_s: float = 0.0
 
     def count(self, role: Role, *, target: Role | None = None) -> int:
         return sum(1 for c in self.cells if c.role is role and (target is None or c.target is target))

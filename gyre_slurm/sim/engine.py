@@ -427,7 +427,7 @@ class Simulator:
             cell_runs=dict(enumerate(self.rollout.load.tolist())), runs=runs,
             ledger=self.ledger, version=step, streaming=self.policy.streaming,
             train_tokens_per_cell_s=self.cell_tps, tokens_per_run=self.tokens_per_run(step),
-            handoff=self.policy_handoff)
+            handoff=self.policy_handoff, call_interval_s=self.cfg.rollout.call_interval_s)
 
     def tokens_per_run(self, step: int) -> float:
         """A run's trained tokens at this step (its phase), computed once per step."""
