@@ -147,6 +147,18 @@ async def until(probe, pred, *, every_s=0.02):
         await asyncio.sleep(every_s)
 
 
+async def engine_metrics(c):
+    """vLLM's own gauges and counters (its /metrics): requests the engine runs, tokens."""
+    async with c._get_session().get(c.base_url + "/metrics") as r:
+        text = await r.text()
+    values = {}
+    for line in text.splitlines():
+        for name in ("num_requests_running", "generation_tokens_total"):
+            if line.startswith(f"vllm:{name}{{"):
+                values[name] = float(line.split()[-1])
+    return values
+
+
 def test_generation_in_flight_during_reload_keeps_its_version(server, run):
     long = 300
 
@@ -157,8 +169,12 @@ def test_generation_in_flight_during_reload_keeps_its_version(server, run):
         ref1 = await c.generate(PROMPT, max_tokens=long, temperature=0)
         await at_version(c, run, 0)
         in_flight = asyncio.create_task(c.generate(PROMPT, max_tokens=long, temperature=0))
-        # the generation is in the server (its load counter) before the reload asks to pause
-        await until(lambda: c.health(), lambda h: (h["active"] or 0) >= 1 or in_flight.done())
+        # the generation runs in the engine before the reload asks to pause: the server's
+        # load counter alone counts a request from its arrival, before the engine has it,
+        # and a pause (mode=wait) waits only for what the engine runs; the whole suite
+        # failed it once so (the request ran after the reload, at version 1)
+        await until(lambda: engine_metrics(c),
+                    lambda m: m.get("num_requests_running", 0) >= 1 or in_flight.done())
         async with VllmClient(server.base_url, run["secret"]) as other:  # like the agent
             load = asyncio.create_task(at_version(other, run, 1))
             # and the next call goes once the pause is under way (or the reload is over):
@@ -238,15 +254,7 @@ def test_non_utf8_auth_tiny_temperature_and_disconnect(server, run):
 
     host, port = server.base_url[7:].split(":")
 
-    async def metrics(c):
-        async with c._get_session().get(c.base_url + "/metrics") as r:
-            text = await r.text()
-        values = {}
-        for line in text.splitlines():
-            for name in ("num_requests_running", "generation_tokens_total"):
-                if line.startswith(f"vllm:{name}{{"):
-                    values[name] = float(line.split()[-1])
-        return values
+    metrics = engine_metrics
 
     async def go(c):
         await at_version(c, run, 0)
