@@ -8,7 +8,8 @@ from gyre_slurm.config.schema import SchedulerConfig, load_config
 from gyre_slurm.sched.baselines import AsyncPolicy
 from gyre_slurm.sched.cells import Role
 from gyre_slurm.sched.elastic import ElasticPolicy
-from gyre_slurm.sched.outlook import WorkloadPrior, longest_of, residual_tail
+from gyre_slurm.sched.outlook import WorkloadPrior
+from gyre_slurm.sched.survival import longest_of, residual_tail
 from gyre_slurm.sched.policies import feasible_async_splits, named_policy
 from gyre_slurm.sched.types import CellObs, Observation
 from gyre_slurm.sched.waterlevel import DurationModel, StepDurations

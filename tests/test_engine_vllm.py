@@ -254,15 +254,13 @@ def test_non_utf8_auth_tiny_temperature_and_disconnect(server, run):
 
     host, port = server.base_url[7:].split(":")
 
-    metrics = engine_metrics
-
     async def go(c):
         await at_version(c, run, 0)
         statuses = [await raw_status(host, int(port), path, a) for path in
                     ("/inference/v1/generate", "/collective_rpc", "/pause") for a in NON_UTF8]
         tiny_t = await c.generate(PROMPT, max_tokens=6, temperature=1e-38)
         greedy = await c.generate(PROMPT, max_tokens=6, temperature=0)
-        before = await metrics(c)
+        before = await engine_metrics(c)
         gens = [asyncio.create_task(c.generate(PROMPT, max_tokens=500, temperature=1.0,
                                                 seed=i)) for i in range(8)]
         for _ in range(400):  # the server's own count of requests it is serving
@@ -273,12 +271,12 @@ def test_non_utf8_auth_tiny_temperature_and_disconnect(server, run):
             g.cancel()
         await asyncio.gather(*gens, return_exceptions=True)
         for _ in range(100):
-            after = await metrics(c)
+            after = await engine_metrics(c)
             if after["num_requests_running"] == 0:
                 break
             await asyncio.sleep(0.05)
         await asyncio.sleep(1.0)
-        return statuses, tiny_t, greedy, before, after, await metrics(c), await c.health()
+        return statuses, tiny_t, greedy, before, after, await engine_metrics(c), await c.health()
     statuses, tiny_t, greedy, before, after, later, health = call(server, run, go)
     assert statuses == [401] * len(statuses)
     assert tiny_t["output_ids"] == greedy["output_ids"]

@@ -41,11 +41,11 @@ import numpy as np
 from gyre_slurm.config.schema import SchedulerConfig
 from gyre_slurm.sched.cells import Role
 from gyre_slurm.sched.lend import TailLending
-from gyre_slurm.sched.outlook import (Capacity, Outlook, StepOutlook, WorkloadPrior,
-                                      build_outlook, longest_of, migrate_wait_s,
-                                      mixed_alive_curve, residual_tail)
+from gyre_slurm.sched.outlook import Capacity, Outlook, StepOutlook, WorkloadPrior, build_outlook
 from gyre_slurm.sched.rule import (WaterlevelRule, draining_to_train, releasable_cells,
                                    takeable_train_cells)
+from gyre_slurm.sched.survival import (longest_of, migrate_wait_s, mixed_alive_curve,
+                                       residual_tail)
 from gyre_slurm.sched.types import CellObs, Decision, Layout, Observation
 from gyre_slurm.sched.waterlevel import DurationModel, StepDurations
 
