@@ -29,10 +29,12 @@ EXAMPLES = int(os.environ.get("GYRE_POLICY_EXAMPLES", "40"))
 
 
 @st.composite
-def workloads(draw):
+def workload_overrides(draw):
     """A job on 2-8 one-node cells: runs of a given mean with a light to heavy tail,
     training from a twentieth to two thirds of the work, handoffs 2-10% of a run, and
-    sometimes demand that changes (runs that grow, or a task mix that shifts)."""
+    sometimes demand that changes (runs that grow, or a task mix that shifts). As the
+    `--set` overrides of a config (tools/sim_draws.py draws the same jobs by the
+    thousand and prints them so)."""
     cells = draw(st.sampled_from([2, 3, 3, 4, 6, 8]))
     mean = draw(st.sampled_from([300.0, 1800.0]))
     sigma = draw(st.sampled_from([0.2, 0.5, 1.0, 1.5]))
@@ -68,7 +70,12 @@ def workloads(draw):
     ]
     if phases:
         overrides.append(f"workload.phases={phases}")
-    return load_config(None, overrides)
+    return overrides
+
+
+def workloads():
+    """The jobs of `workload_overrides`, as configs."""
+    return workload_overrides().map(lambda overrides: load_config(None, overrides))
 
 
 def best_fixed_split(cfg, workload) -> float:
