@@ -5,13 +5,18 @@ says what it expected."""
 import collections
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gyre_slurm.config.presets import preset_path
-from gyre_slurm.config.schema import load_config
+from gyre_slurm.config.schema import SchedulerConfig, load_config
 from gyre_slurm.sched.cells import Role
+from gyre_slurm.sched.elastic import ElasticPolicy
 from gyre_slurm.sched.lend import TailLending
+from gyre_slurm.sched.outlook import WorkloadPrior
 from gyre_slurm.sched.policies import named_policy
+from gyre_slurm.sched.types import CellObs, Observation
+from gyre_slurm.sched.waterlevel import DurationModel, StepDurations
 from gyre_slurm.sim.runner import simulate
 from gyre_slurm.sim.workload import sample_workload
 
@@ -110,3 +115,68 @@ def test_a_lend_waits_for_the_dwell_and_names_the_base_move_it_beat():
             assert base is None or base["finish_s"] >= e["finish_s"], e  # (rounded)
         moved[d["cell"]] = d["t"]
     assert lends >= 1
+
+
+def _lend_obs(*, now, ready, roles=None, loads=None, cap=8):
+    """An 8-cell job in a step's tail: 6 rollout cells part full, 2 training."""
+    roles = roles or [Role.ROLLOUT] * 6 + [Role.TRAIN] * 2
+    loads = loads or [5, 5, 4, 4, 3, 3, 0, 0]
+    cells = tuple(CellObs(i, r, None, i in (0, 6), n, since_s=0.0)
+                  for i, (r, n) in enumerate(zip(roles, loads)))
+    runs = sum(loads)
+    return Observation(
+        now_s=now, cells=cells, cell_capacity=cap, runs_in_flight=runs, runs_queued=0,
+        runs_future=128, run_elapsed_s=np.full(runs, 300.0), train_ready_tokens=ready,
+        train_waiting_tokens=0.0, train_tokens_per_cell_s=100.0, min_train_cells=1,
+        tokens_per_run=20_000.0, policy_version=2, steps_done=2, num_steps=8,
+        handoff_to_train_s=60.0, handoff_to_rollout_s=60.0, step_runs_left=runs,
+        run_steps=np.full(runs, 3))
+
+
+def _lend_policy(runs_per_step=32):
+    prior = WorkloadPrior(durations=StepDurations((DurationModel.lognormal(mean_s=600, sigma=0.5),)),
+                          runs_per_step=runs_per_step, group_size=4, staleness=1)
+    return ElasticPolicy(SchedulerConfig(confirm_s=0, min_dwell_s=300, lend_cells=4), prior=prior)
+
+
+def test_the_lending_credit_holds_while_training_empties_its_backlog_between_microbatches():
+    """The outlook credits the lending to come only where training has had tokens ready
+    within a cell's dwell, not only at this instant: a credit that came and went with
+    the backlog had deepswe-122b release a cell (wait drain) and cancel it three times
+    in its first 8,500 s, each plan weighed with another outlook."""
+    p = _lend_policy()
+    assert p.outlook(_lend_obs(now=1000.0, ready=0.0)).lend is None  # never had tokens
+    assert p.outlook(_lend_obs(now=1100.0, ready=50_000.0)).lend is not None
+    assert p.outlook(_lend_obs(now=1300.0, ready=0.0)).lend is not None  # within 300 s
+    assert p.outlook(_lend_obs(now=1401.0, ready=0.0)).lend is None  # past it
+    assert p.outlook(_lend_obs(now=1100.0, ready=50_000.0), lending=False).lend is None
+
+
+def test_no_lending_where_a_new_batch_never_needs_the_cells_back():
+    """A staleness window of 2 x 4 runs fits in one 8-slot cell: a cell lent in a tail
+    is a release the base plan should make once, not a lend and a return every step
+    (jobs of a few runs a step on 6-8 cells: up to 7.6% slower with lending)."""
+    obs = _lend_obs(now=1000.0, ready=50_000.0)
+    assert _lend_policy(runs_per_step=4).lending.cells(obs) == 0
+    assert _lend_policy(runs_per_step=32).lending.cells(obs) == 4  # 64 runs: 8 cells' slots
+    assert TailLending(4).cells(obs) == 4  # window unknown: as before
+
+
+def test_a_plan_with_no_training_side_is_credited_no_lending():
+    """A cell is lent only to a training world that trains (a whole replica); without
+    floors (elastic-nofloor) plans with no training cell were credited lending that
+    never came (deepswe-122b-curriculum 26% slower than elastic)."""
+    from gyre_slurm.sched.outlook import Capacity
+
+    p = _lend_policy()
+    obs = _lend_obs(now=1000.0, ready=50_000.0)
+    outlook = p.outlook(obs)
+    assert outlook.lend is not None
+    cap = obs.cell_capacity
+    credited = {}
+    for trainers in (0, 2):
+        roll = Capacity(obs.now_s, 6, lambda c: c * cap)
+        train = Capacity(obs.now_s, trainers, outlook.train_rate)
+        outlook.finish_s(roll, train)
+        credited[trainers] = outlook.lent_cell_s
+    assert credited[0] == 0.0 and credited[2] > 0.0, credited

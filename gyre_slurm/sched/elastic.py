@@ -106,8 +106,10 @@ class ElasticPolicy:
         self._key: tuple | None = None  # the state the last plan was made in
         self._planned_at = -math.inf
         self._drains: dict[int, str] = {}  # cell draining towards training -> wait or migrate
-        self.lending = TailLending(cfg.lend_cells)
+        self.lending = TailLending(cfg.lend_cells, window=prior.runs_per_step * (
+            prior.staleness + 1) if prior is not None else 0)
         self._lend_refused_at = -math.inf
+        self._ready_at = -math.inf  # when training last had tokens ready (lending credit)
 
     def initial_layout(self, num_cells: int) -> Layout:
         """The floors, plus the elastic cells the outlook would have train from the start
@@ -212,14 +214,21 @@ class ElasticPolicy:
 
     def outlook(self, obs: Observation, *, lending: bool = True) -> Outlook:
         """The horizon's outlook; with `lending`, crediting the lending to come, but only
-        while training has tokens ready: lending needs them (`TailLending.candidate`),
-        and on training-light jobs, where training keeps up and they are seldom there,
-        the credit held layouts for lending that never came (the property test's 2-4
-        runs a step on 3-8 cells ran 3-7% behind the best fixed split)."""
+        where training has had tokens ready within a cell's `min_dwell_s`: lending needs
+        them (`TailLending.candidate`), and on training-light jobs, where training keeps
+        up and they are seldom there, the credit held layouts for lending that never
+        came (the property test's 2-4 runs a step on 3-8 cells ran 3-7% behind the best
+        fixed split). Not only at this instant: training empties its backlog between
+        micro-batches, and a credit that came and went with it had deepswe-122b release
+        a cell with a wait drain and cancel it three times in its first 8,500 s (each
+        plan weighed with a different outlook)."""
+        if obs.train_ready_tokens > 0:
+            self._ready_at = obs.now_s
+        recent = obs.now_s - self._ready_at <= self.cfg.min_dwell_s
         return build_outlook(obs, self.prior, horizon_steps=self.cfg.horizon_steps,
                              streaming=self.streaming,
                              lend_cells=max(0, self.lending.cells(obs) - len(self.lending.lent))
-                             if lending and obs.train_ready_tokens > 0 else 0)
+                             if lending and recent else 0)
 
     def lend(self, obs: Observation) -> list[Decision]:
         """Lend a spare rollout cell to training for this step's tail (`TailLending`),
