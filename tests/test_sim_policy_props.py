@@ -107,8 +107,10 @@ PRESETS = [name for name in preset_names() if name != "small"]
 # (a step's tail from all its runs, a horizon of 2 steps): deepswe-122b 1.198,
 # nl2repo-2.4t 1.248, terminalbench-122b-growing 1.2296, deepswe-122b-curriculum 1.198;
 # since a migrate drain is expected to last until its runs' next calls (session 37):
-# nl2repo-2.4t 1.2445, deepswe-122b-curriculum 1.187.
-MISSED = {"deepswe-122b": 1.20, "nl2repo-2.4t": 1.25, "terminalbench-122b-growing": 1.23,
+# nl2repo-2.4t 1.2445, deepswe-122b-curriculum 1.187. With lending on by default
+# (session 38): deepswe-122b 1.147 (within the aim), terminalbench-122b-growing 1.195,
+# deepswe-122b-curriculum 1.184; nl2repo-2.4t lends nothing (a replica is 4 cells).
+MISSED = {"nl2repo-2.4t": 1.25, "terminalbench-122b-growing": 1.20,
           "deepswe-122b-curriculum": 1.19}
 
 

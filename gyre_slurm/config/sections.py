@@ -100,11 +100,12 @@ class SchedulerConfig:
     horizon_steps: int = key(2, "steps the outlook looks ahead, beyond those allowed now")
     min_gain: float = key(0.02, "a move must finish the outlook's horizon this fraction of "
                                 "its time sooner")
-    lend_cells: int = key(0, "elastic lends at most this many spare rollout cells (and "
+    lend_cells: int = key(4, "elastic lends at most this many spare rollout cells (and "
                              "half the cells) to training in a step's tail (no run waiting "
                              "to start, the next batch not yet allowed) and takes them back "
-                             "when it is; 0: never (the default: docs/scheduler.md). Only "
-                             "where a model replica is one cell")
+                             "when it is; 0: never. Only where a model replica is one cell, "
+                             "on 4 cells or more, and where a new batch needs the cells back "
+                             "(docs/scheduler.md)")
     hysteresis: float = key(0.5, "the waterlevel rule's h: release while R - L >= 1 + h, "
                                  "reclaim while L > R + h")
     confirm_s: float = key(60.0, "a release must stay the best move this long before a "
