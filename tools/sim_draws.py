@@ -112,8 +112,9 @@ def expectation(args: tuple[list[str], int]) -> dict:
 
 def brief(overrides: list[str]) -> str:
     keep = ("cluster.num_nodes", "workload.prompts_per_step", "workload.group_size",
-            "workload.duration.sigma", "rollout.runs_per_node", "training.max_staleness",
-            "workload.phases", "seed")
+            "workload.duration.mean_s", "workload.duration.sigma", "rollout.runs_per_node",
+            "training.node_tokens_per_s", "training.max_staleness", "workload.phases",
+            "seed")
     return " ".join(o for o in overrides if o.split("=", 1)[0] in keep)
 
 
