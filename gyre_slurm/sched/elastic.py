@@ -106,8 +106,7 @@ class ElasticPolicy:
         self._key: tuple | None = None  # the state the last plan was made in
         self._planned_at = -math.inf
         self._drains: dict[int, str] = {}  # cell draining towards training -> wait or migrate
-        self.lending = TailLending(cfg.lend_cells, window=prior.runs_per_step * (
-            prior.staleness + 1) if prior is not None else 0)
+        self.lending = TailLending(cfg.lend_cells, window=prior.window if prior else 0)
         self._lend_refused_at = -math.inf
         self._ready_at = -math.inf  # when training last had tokens ready (lending credit)
 

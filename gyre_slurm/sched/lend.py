@@ -26,7 +26,7 @@ from gyre_slurm.sched.types import CellObs, Decision, Observation
 class TailLending:
     most: int  # cells lent at once, at most (scheduler.lend_cells)
     lent: dict[int, float] = field(default_factory=dict)  # cell lent -> when
-    window: int = 0  # runs a staleness window holds (runs a step x (staleness + 1)); 0: unknown
+    window: int = 0  # runs a staleness window holds (`WorkloadPrior.window`); 0: unknown
 
     def cells(self, obs: Observation) -> int:
         """Cells lent at once in a tail, at most: `most`, and half the cells; none on

@@ -449,6 +449,11 @@ class WorkloadPrior:
     _speeds: dict[float, float] = field(default_factory=dict, init=False, repr=False,
                                         compare=False)  # speed by load, as asked
 
+    @property
+    def window(self) -> int:
+        """Runs a staleness window holds (a step's runs x (staleness + 1)); 0: unknown."""
+        return self.runs_per_step * (self.staleness + 1) if self.runs_per_step > 0 else 0
+
     def speed(self, load: float) -> float:
         """A run's speed on a cell of this load, relative to a full cell."""
         if len(self.rate_by_load) < 2:
@@ -537,7 +542,7 @@ def build_outlook(obs: Observation, p: WorkloadPrior, *, horizon_steps: int,
     return Outlook(now_s=obs.now_s, steps=steps, staleness=p.staleness,
                    streaming=streaming, cap=obs.cell_capacity,
                    optimizer_step_s=p.optimizer_step_s, speed=p.speed,
-                   concurrency=rps * (p.staleness + 1) if rps > 0 else 0,
+                   concurrency=p.window,
                    train_rate=train_rate_fn(obs.train_tokens_per_cell_s,
                                             min_cells=obs.min_train_cells,
                                             efficiency=p.scaling_efficiency),
