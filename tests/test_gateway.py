@@ -172,6 +172,52 @@ def test_affinity_drain_migrate_remove(engines, tmp_path):
     assert [r.call for r in records(tmp_path, "a")] == [0, 1, 2, 3]
 
 
+def test_a_wait_drain_keeps_its_runs_until_they_end(engines, tmp_path):
+    """`keep_runs` (the `wait` drain of a move to training): the runs a draining server
+    holds keep calling it, turn after turn, while new runs go elsewhere; the server is
+    left once they have ended. Draining it again without `keep_runs` (a fault) moves
+    them at their next call."""
+    async def go(gw, http, base):
+        server = {}
+        for run_id in ("a", "b"):
+            server[run_id] = (await chat(http, base, run_id, max_tokens=2))[1]["gyre"]["server"]
+        gw.drain_server("s0", keep_runs=True)
+        kept = [(await chat(http, base, "a", max_tokens=2))[1]["gyre"]["server"]
+                for _ in range(3)]
+        fresh = (await chat(http, base, "c", max_tokens=2))[1]["gyre"]["server"]
+        draining = gw.server_load()["s0"]
+        gw.drain_server("s0")  # e.g. its engine failed a check
+        moved = (await chat(http, base, "a", max_tokens=2))[1]["gyre"]["server"]
+        left = gw.server_load()["s0"]
+        return server, kept, fresh, draining, moved, left
+    server, kept, fresh, draining, moved, left = run_gateway(engines, tmp_path, go)
+    assert server == {"a": "s0", "b": "s1"}
+    assert kept == ["s0"] * 3 and fresh == "s1"
+    assert draining["draining"] and draining["runs"] == 1, draining
+    assert moved == "s1" and left["runs"] == 0, left
+    assert [r.call for r in records(tmp_path, "a")] == [0, 1, 2, 3, 4]
+
+
+def test_a_wait_drained_server_is_left_when_its_runs_end(engines, tmp_path):
+    """The runtime's `wait` drain ends when no run is left on the server
+    (runtime/handoff.py `_busy`): `end_run` is what leaves it, and a reopened server
+    drops `keep_runs` (a later plain drain moves its runs)."""
+    async def go(gw, http, base):
+        await chat(http, base, "a", max_tokens=2)
+        gw.drain_server("s0", keep_runs=True)
+        held = gw.server_load()["s0"]["runs"]
+        gw.end_run("a")
+        ended = gw.server_load()["s0"]["runs"]
+        gw.reopen_server("s0")
+        await chat(http, base, "b", max_tokens=2)
+        gw.drain_server("s0")
+        with pytest.raises(RuntimeError, match="no rollout server"):
+            await gw.router.acquire("b", wait_s=0.1)
+        return held, ended
+    held, ended = run_gateway(engines, tmp_path, go, servers=("s0",))
+    assert (held, ended) == (1, 0)
+
+
 def test_remove_refused_while_in_flight(engines, tmp_path):
     async def go(gw, http, base):
         call = asyncio.create_task(chat(http, base, "long", max_tokens=300, temperature=1.0))

@@ -107,8 +107,10 @@ class Gateway:
     def add_server(self, server_id: str, client: EngineClient, capacity: int) -> None:
         self.router.add(server_id, client, capacity)
 
-    def drain_server(self, server_id: str) -> None:
-        self.router.drain(server_id)
+    def drain_server(self, server_id: str, *, keep_runs: bool = False) -> None:
+        """No new runs for the server; its runs move at their next call, or with
+        `keep_runs` stay until they end (gateway.router)."""
+        self.router.drain(server_id, keep_runs=keep_runs)
 
     def reopen_server(self, server_id: str) -> None:
         """A draining server takes runs again (its cell's drain was cancelled)."""

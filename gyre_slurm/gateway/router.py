@@ -2,7 +2,12 @@
 
 Rules:
 - A run keeps the server it was given (its prefix cache lives there) until that server
-  drains or is removed; then its NEXT call goes to another server (migration).
+  drains or is removed; then its NEXT call goes to another server (migration). A server
+  drained with `keep_runs` (the `wait` drain of a move to training) takes no new or
+  migrating run, but the runs it holds keep calling it until they end: they finish
+  there, as the simulator's and the policy's `wait` drain has them (until session 39
+  every drain moved its runs at their next call, so a multi-turn run on a `wait`-drained
+  cell paid a re-prefill elsewhere while the cell waited for its last runs' next calls).
 - A new (or migrating) run goes to the non-draining server with the fewest runs, ties
   to the lowest id; a server holding `capacity` runs or more gets one only when every
   server does.
@@ -43,6 +48,7 @@ class ServerState:
     client: Any  # an EngineClient
     capacity: int
     draining: bool = False
+    keep_runs: bool = False  # draining, its runs stay until they end (the `wait` drain)
     suspect: bool = False  # takes no runs until trusted again
     runs: set[str] = field(default_factory=set)
     external: set[str] = field(default_factory=set)
@@ -76,15 +82,20 @@ class Router:
         log.info("server %s added (capacity %d)", server_id, capacity)
         self._notify()
 
-    def drain(self, server_id: str) -> None:
-        self._get(server_id).draining = True
-        log.info("server %s draining (%d runs move at their next call)", server_id,
-                 len(self.servers[server_id].runs))
+    def drain(self, server_id: str, *, keep_runs: bool = False) -> None:
+        """No new runs for the server; its runs move at their next call or, with
+        `keep_runs`, keep it until they end. Draining again without `keep_runs` (a
+        fault) moves them."""
+        state = self._get(server_id)
+        state.draining, state.keep_runs = True, keep_runs
+        log.info("server %s draining (%d runs %s)", server_id, len(state.runs),
+                 "stay until they end" if keep_runs else "move at their next call")
 
     def reopen(self, server_id: str) -> None:
         """A draining server takes runs again (its cell's drain was cancelled); the runs
         that have not moved yet keep their affinity to it."""
-        self._get(server_id).draining = False
+        state = self._get(server_id)
+        state.draining = state.keep_runs = False
         log.info("server %s open again (drain cancelled)", server_id)
         self._notify()
 
@@ -131,7 +142,8 @@ class Router:
         for run_id in state.runs | state.external:
             self.affinity.pop(run_id, None)
         del self.servers[server_id]
-        log.info("server %s removed", server_id)
+        log.info("server %s removed (%d runs move at their next call)", server_id,
+                 len(state.runs | state.external))
 
     def end_run(self, run_id: str) -> None:
         server_id = self.affinity.pop(run_id, None)
@@ -152,7 +164,8 @@ class Router:
 
     def _pick(self, run_id: str, external: bool) -> ServerState | None:
         current = self.servers.get(self.affinity.get(run_id, ""))
-        if current is not None and not (current.draining or current.suspect):
+        if current is not None and not current.suspect and (
+                not current.draining or current.keep_runs):
             return current
         open_ = [s for s in self.servers.values() if not (s.draining or s.suspect)]
         if not open_:

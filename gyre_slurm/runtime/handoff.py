@@ -2,7 +2,8 @@
 
 rollout -> train: stop routing new runs to the cell's server (gateway drain); wait
 until no call is in flight on it — its runs move to another server at their next call
-— or, with the `wait` drain, until all its runs have ended (`drain_s`);
+— or, with the `wait` drain, until all its runs have ended there (`drain_s`: the
+gateway keeps routing their calls to it, `keep_runs`);
 release the engine (`engine_release_s`); rebuild the training world with the cell's
 nodes, which receive weights and optimizer state from a member that stays
 (`rebuild_s`, with the workers' own phases). train -> rollout: the training loop
@@ -259,7 +260,7 @@ class Handoffs:
         for c in cells:
             job.table.begin_handoff(c, Role.TRAIN, now_s=job.now_s())
             for sid in job.server_ids(c):
-                self.gateway.drain_server(str(sid))
+                self.gateway.drain_server(str(sid), keep_runs=wait)
         self.draining.update(cells)
         try:
             await self._drain(cells, wait=wait, t0=t0)

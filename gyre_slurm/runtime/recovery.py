@@ -354,6 +354,8 @@ class Recovery:
         so that the calls in flight there fail (their runs restart elsewhere) and the
         drain ends; the cell's next rollout starts new engines."""
         rd = self.job.rd
+        if str(sid) in self.gateway.server_load():  # a `wait` drain's runs leave it too
+            self.gateway.drain_server(str(sid))
         rd.event("engine_unhealthy", cell=cell, server=str(sid), reason=reason[:300],
                  restart=0, draining=True)
         try:
