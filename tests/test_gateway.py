@@ -173,15 +173,15 @@ def test_affinity_drain_migrate_remove(engines, tmp_path):
 
 
 def test_a_wait_drain_keeps_its_runs_until_they_end(engines, tmp_path):
-    """`keep_runs` (the `wait` drain of a move to training): the runs a draining server
+    """runs="keep" (the `wait` drain of a move to training): the runs a draining server
     holds keep calling it, turn after turn, while new runs go elsewhere; the server is
-    left once they have ended. Draining it again without `keep_runs` (a fault) moves
-    them at their next call."""
+    left once they have ended. Draining it again with "move" (a fault) moves them at
+    their next call."""
     async def go(gw, http, base):
         server = {}
         for run_id in ("a", "b"):
             server[run_id] = (await chat(http, base, run_id, max_tokens=2))[1]["gyre"]["server"]
-        gw.drain_server("s0", keep_runs=True)
+        gw.drain_server("s0", runs="keep")
         kept = [(await chat(http, base, "a", max_tokens=2))[1]["gyre"]["server"]
                 for _ in range(3)]
         fresh = (await chat(http, base, "c", max_tokens=2))[1]["gyre"]["server"]
@@ -201,10 +201,10 @@ def test_a_wait_drain_keeps_its_runs_until_they_end(engines, tmp_path):
 def test_a_wait_drained_server_is_left_when_its_runs_end(engines, tmp_path):
     """The runtime's `wait` drain ends when no run is left on the server
     (runtime/handoff.py `_busy`): `end_run` is what leaves it, and a reopened server
-    drops `keep_runs` (a later plain drain moves its runs)."""
+    drops "keep" (a later plain drain moves its runs)."""
     async def go(gw, http, base):
         await chat(http, base, "a", max_tokens=2)
-        gw.drain_server("s0", keep_runs=True)
+        gw.drain_server("s0", runs="keep")
         held = gw.server_load()["s0"]["runs"]
         gw.end_run("a")
         ended = gw.server_load()["s0"]["runs"]
@@ -216,6 +216,36 @@ def test_a_wait_drained_server_is_left_when_its_runs_end(engines, tmp_path):
         return held, ended
     held, ended = run_gateway(engines, tmp_path, go, servers=("s0",))
     assert (held, ended) == (1, 0)
+
+
+def test_a_migrate_drain_moves_runs_only_to_free_slots(engines, tmp_path):
+    """runs="free" (the `migrate` drain): a run moves at its next call only where a
+    server has a free slot; with every other server full it stays on the draining one
+    (as the simulator has it) and moves at a later call once a slot is free. A plain
+    drain ("move", a fault) still overfills: the run must leave a failed server."""
+    async def go(gw, http, base):
+        names = ["a"] + [f"f{i}" for i in range(7)]  # both servers filled, a on s0
+        for run_id in names:
+            await chat(http, base, run_id, max_tokens=2)
+        where = {r: gw.router.affinity[r] for r in names}
+        full = [gw.server_load()[s]["runs"] for s in ("s0", "s1")]
+        gw.drain_server("s0", runs="free")
+        free_then = gw.free_slots()
+        stayed = (await chat(http, base, "a", max_tokens=2))[1]["gyre"]["server"]
+        gw.end_run(next(r for r in names if where[r] == "s1"))
+        free_after = gw.free_slots()
+        moved = (await chat(http, base, "a", max_tokens=2))[1]["gyre"]["server"]
+        gw.drain_server("s1")  # a fault on s1, none open: the run has no server now
+        with pytest.raises(RuntimeError, match="no rollout server"):
+            await gw.router.acquire("a", wait_s=0.1)
+        with pytest.raises(ValueError, match="runs must be one of"):
+            gw.drain_server("s0", runs="later")
+        return where, full, free_then, stayed, free_after, moved
+    where, full, free_then, stayed, free_after, moved = run_gateway(
+        engines, tmp_path, go, servers=("s0", "s1"))
+    assert where["a"] == "s0" and full == [4, 4], where
+    assert free_then == 0 and stayed == "s0"
+    assert free_after == 1 and moved == "s1"
 
 
 def test_remove_refused_while_in_flight(engines, tmp_path):

@@ -67,11 +67,12 @@ Every answered call is appended to the call store BEFORE the HTTP answer is sent
 "policy_version" (from the engine's answer), "t_start", "t_end" (wall clock, s),
 "finish_reason"}. A failed call records nothing and takes no call number.
 
-Routing (`gateway.router`): a run keeps its server until that server drains (with
-`keep_runs`, the `wait` drain: until the run ends); a new or migrating run goes to the
-non-draining server with the fewest runs (ties: lowest id).
+Routing (`gateway.router`): a run keeps its server until that server drains (then it
+leaves at its next call: `runs="move"`; at its next call to a free slot: "free", the
+`migrate` drain; when it ends: "keep", the `wait` drain); a new or migrating run goes to
+the non-draining server with the fewest runs (ties: lowest id).
 Coordinator controls: `add_server(server_id, client, capacity)`,
-`drain_server(id, keep_runs=False)`,
+`drain_server(id, runs="move")`, `free_slots()`,
 `remove_server(id)` (after draining, with no call in flight), `server_load()`,
 `open_run(run_id) -> key`, `end_run(run_id)` (revokes the key, frees the run's state),
 `calls_of(run_id)`, `run_stats()`. The engine clients stay the coordinator's: the

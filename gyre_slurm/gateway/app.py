@@ -107,10 +107,15 @@ class Gateway:
     def add_server(self, server_id: str, client: EngineClient, capacity: int) -> None:
         self.router.add(server_id, client, capacity)
 
-    def drain_server(self, server_id: str, *, keep_runs: bool = False) -> None:
-        """No new runs for the server; its runs move at their next call, or with
-        `keep_runs` stay until they end (gateway.router)."""
-        self.router.drain(server_id, keep_runs=keep_runs)
+    def drain_server(self, server_id: str, *, runs: str = "move") -> None:
+        """No new runs for the server; how its runs leave: "move" (at their next call),
+        "free" (at their next call, to a free slot), "keep" (when they end): see
+        gateway.router."""
+        self.router.drain(server_id, runs=runs)
+
+    def free_slots(self) -> int:
+        """Free slots of the servers that take runs."""
+        return self.router.free_slots()
 
     def reopen_server(self, server_id: str) -> None:
         """A draining server takes runs again (its cell's drain was cancelled)."""

@@ -2,12 +2,15 @@
 
 Rules:
 - A run keeps the server it was given (its prefix cache lives there) until that server
-  drains or is removed; then its NEXT call goes to another server (migration). A server
-  drained with `keep_runs` (the `wait` drain of a move to training) takes no new or
-  migrating run, but the runs it holds keep calling it until they end: they finish
-  there, as the simulator's and the policy's `wait` drain has them (until session 39
-  every drain moved its runs at their next call, so a multi-turn run on a `wait`-drained
-  cell paid a re-prefill elsewhere while the cell waited for its last runs' next calls).
+  drains or is removed; then its NEXT call goes to another server (migration). How a
+  draining server's runs leave is the drain's `runs`: "move" (a fault: at the next
+  call, to any server), "free" (the `migrate` drain of a move to training: at the next
+  call when a server has a free slot, else the run stays and tries again at its next
+  call, as the simulator has it: a migrating run never overfills a server) or "keep"
+  (the `wait` drain: the runs it holds keep calling it until they end). Until session
+  39 every drain moved its runs at their next call to any server, so a many-turn run on
+  a `wait`-drained cell paid a re-prefill elsewhere while the cell waited for it, and a
+  `migrate` drain could overfill the servers that stayed.
 - A new (or migrating) run goes to the non-draining server with the fewest runs, ties
   to the lowest id; a server holding `capacity` runs or more gets one only when every
   server does.
@@ -38,6 +41,10 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+LEAVE = {"move": "move at their next call", "free": "move at their next call to a free slot",
+         "keep": "stay until they end"}
+
+
 class NoServer(RuntimeError):
     """No rollout server became available in time."""
 
@@ -48,7 +55,7 @@ class ServerState:
     client: Any  # an EngineClient
     capacity: int
     draining: bool = False
-    keep_runs: bool = False  # draining, its runs stay until they end (the `wait` drain)
+    leave: str = "move"  # draining: how its runs leave (Router.drain's `runs`)
     suspect: bool = False  # takes no runs until trusted again
     runs: set[str] = field(default_factory=set)
     external: set[str] = field(default_factory=set)
@@ -82,20 +89,26 @@ class Router:
         log.info("server %s added (capacity %d)", server_id, capacity)
         self._notify()
 
-    def drain(self, server_id: str, *, keep_runs: bool = False) -> None:
-        """No new runs for the server; its runs move at their next call or, with
-        `keep_runs`, keep it until they end. Draining again without `keep_runs` (a
-        fault) moves them."""
+    def drain(self, server_id: str, *, runs: str = "move") -> None:
+        """No new runs for the server; its runs leave at their next call ("move"), at
+        their next call once a server has a free slot ("free"), or when they end
+        ("keep"). Draining again with "move" (a fault) moves them."""
+        if runs not in LEAVE:
+            raise ValueError(f"runs must be one of {sorted(LEAVE)}, got {runs!r}")
         state = self._get(server_id)
-        state.draining, state.keep_runs = True, keep_runs
-        log.info("server %s draining (%d runs %s)", server_id, len(state.runs),
-                 "stay until they end" if keep_runs else "move at their next call")
+        state.draining, state.leave = True, runs
+        log.info("server %s draining (%d runs %s)", server_id, len(state.runs), LEAVE[runs])
+
+    def free_slots(self) -> int:
+        """Free slots of the servers that take runs (not draining, not suspect)."""
+        return sum(max(0, s.capacity - s.holding()) for s in self.servers.values()
+                   if not (s.draining or s.suspect))
 
     def reopen(self, server_id: str) -> None:
         """A draining server takes runs again (its cell's drain was cancelled); the runs
         that have not moved yet keep their affinity to it."""
         state = self._get(server_id)
-        state.draining = state.keep_runs = False
+        state.draining, state.leave = False, "move"
         log.info("server %s open again (drain cancelled)", server_id)
         self._notify()
 
@@ -164,13 +177,17 @@ class Router:
 
     def _pick(self, run_id: str, external: bool) -> ServerState | None:
         current = self.servers.get(self.affinity.get(run_id, ""))
-        if current is not None and not current.suspect and (
-                not current.draining or current.keep_runs):
+        held = current is not None and not current.suspect
+        if held and (not current.draining or current.leave == "keep"):
             return current
         open_ = [s for s in self.servers.values() if not (s.draining or s.suspect)]
-        if not open_:
+        best = min(open_, key=lambda s: (s.holding() >= s.capacity, s.holding(), s.server_id),
+                   default=None)
+        if held and current.leave == "free" and (best is None
+                                                 or best.holding() >= best.capacity):
+            return current  # no free slot: it stays, and tries again at its next call
+        if best is None:
             return None
-        best = min(open_, key=lambda s: (s.holding() >= s.capacity, s.holding(), s.server_id))
         if current is not None:
             current.runs_of(external).discard(run_id)
             log.info("run %s migrates from server %s to %s", run_id,

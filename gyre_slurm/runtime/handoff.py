@@ -1,9 +1,10 @@
 """Handoffs, executed for the coordinator, every phase timed into events.jsonl.
 
 rollout -> train: stop routing new runs to the cell's server (gateway drain); wait
-until no call is in flight on it — its runs move to another server at their next call
-— or, with the `wait` drain, until all its runs have ended there (`drain_s`: the
-gateway keeps routing their calls to it, `keep_runs`);
+until no call is in flight on it and the servers that stay have free slots for the runs
+still on it — its runs move to a free slot at their next call — or, with the `wait`
+drain, until all its runs have ended there (`drain_s`: the gateway keeps routing their
+calls to it);
 release the engine (`engine_release_s`); rebuild the training world with the cell's
 nodes, which receive weights and optimizer state from a member that stays
 (`rebuild_s`, with the workers' own phases). train -> rollout: the training loop
@@ -260,7 +261,7 @@ class Handoffs:
         for c in cells:
             job.table.begin_handoff(c, Role.TRAIN, now_s=job.now_s())
             for sid in job.server_ids(c):
-                self.gateway.drain_server(str(sid), keep_runs=wait)
+                self.gateway.drain_server(str(sid), runs="keep" if wait else "free")
         self.draining.update(cells)
         try:
             await self._drain(cells, wait=wait, t0=t0)
@@ -328,7 +329,7 @@ class Handoffs:
                              drain_s=time.monotonic() - t0, others=list(cells))
             if not cells:
                 return
-            if not any(self._busy(c, wait=wait) for c in cells) and not any(
+            if not self._busy(cells, wait=wait) and not any(
                     sid in job.syncing for c in cells for sid in job.server_ids(c)):
                 return  # (a streamed round answers for its servers first)
             await asyncio.sleep(0.05)
@@ -363,13 +364,14 @@ class Handoffs:
         for sid, why in bad.items():
             self.recovery.request_restart(sid.cell, sid, reason=f"drain cancelled: {why}")
 
-    def _busy(self, cell: int, *, wait: bool) -> bool:
-        """A draining server is done when no call is in flight on it (migrate: its runs
-        move at their next call) or, with the `wait` drain, when none of its runs is
-        left."""
+    def _busy(self, cells: list[int], *, wait: bool) -> bool:
+        """Draining servers are done when no call is in flight on them and their runs
+        left fit in the free slots of the servers that take runs (migrate: they move
+        there at their next call; one that finds no slot stays, as in the simulator) or,
+        with the `wait` drain, when none of their runs is left."""
         loads = self.gateway.server_load()
-        for sid in self.job.server_ids(cell):
-            load = loads.get(str(sid), {})
-            if load.get("in_flight", 0) or (wait and load.get("runs", 0)):
-                return True
-        return False
+        mine = [loads.get(str(sid), {}) for c in cells for sid in self.job.server_ids(c)]
+        runs = sum(load.get("runs", 0) for load in mine)
+        if any(load.get("in_flight", 0) for load in mine):
+            return True
+        return runs > 0 if wait else runs > self.gateway.free_slots()
