@@ -313,3 +313,32 @@ def test_a_queue_many_times_the_run_slots_is_expected_to_take_its_time():
     best = min(simulate(cfg, AsyncPolicy(rollout_cells=r, streaming=s), workload).makespan_s
                for r in feasible_async_splits(cfg) for s in (False, True))
     assert res.makespan_s <= 1.03 * best, res.makespan_s / best
+
+
+def test_a_migrate_drain_short_of_free_slots_waits_for_runs_to_end_and_is_tried():
+    """Where the rollout cells that stay lack free slots for a releasing cell's runs, a
+    run moves only once one is free (the simulator and the gateway's "free" drain): the
+    drain is expected to last until as many runs in flight as are short have ended, no
+    longer than its own runs' tail. Such a release is a plan of its own since session
+    39 (it was not tried: nl2repo-2.4t, whose releases are 4 cells of runs, held them
+    for their runs' whole tail, 1.244 of the bound where migrating gives 1.203)."""
+    import dataclasses
+
+    p = policy()
+    base = dataclasses.replace(observe([R, T, R, R], [8, 0, 6, 6]), call_interval_s=10.0)
+    leaving = [base.cells[2]]  # 6 runs; cells 0 and 3 have 0 + 2 free slots: 4 short
+    short = p.slot_wait_s(base, leaving)
+    assert short > 0
+    tail = p.cell_tail_s(base, 6)
+    # until 4 of the 20 runs in flight (all aged 300 s) have ended: sooner than the
+    # longest of the cell's 6
+    assert short < tail
+    eta = p.drain_eta(base, None, leaving[0], "migrate", short)
+    assert eta == pytest.approx(base.now_s + max(short, 10.0 * sum(1 / i for i in range(1, 7))))
+    assert p.drain_eta(base, None, leaving[0], "migrate", 1e9) == pytest.approx(
+        base.now_s + tail)  # its own runs end first
+    roomy = dataclasses.replace(base, cells=tuple(
+        dataclasses.replace(c, active_runs=2) if c.cell_id == 3 else c for c in base.cells))
+    assert p.slot_wait_s(roomy, [roomy.cells[2]]) == 0.0  # 6 free slots for 6 runs
+    families = p.candidates(base, p.outlook(base))  # 2 free slots for 6 runs or more
+    assert any(plan.drain == "migrate" for family in families for plan in family), families
