@@ -340,5 +340,10 @@ def test_a_migrate_drain_short_of_free_slots_waits_for_runs_to_end_and_is_tried(
     roomy = dataclasses.replace(base, cells=tuple(
         dataclasses.replace(c, active_runs=2) if c.cell_id == 3 else c for c in base.cells))
     assert p.slot_wait_s(roomy, [roomy.cells[2]]) == 0.0  # 6 free slots for 6 runs
+    # runs queued take the slots that free first: 4 queued leave the same cell short of
+    # 4 slots (not none), and the base case short of 8, a longer wait
+    queued = dataclasses.replace(roomy, runs_queued=4)
+    assert p.slot_wait_s(queued, [queued.cells[2]]) == pytest.approx(short)
+    assert p.slot_wait_s(dataclasses.replace(base, runs_queued=4), leaving) > short
     families = p.candidates(base, p.outlook(base))  # 2 free slots for 6 runs or more
     assert any(plan.drain == "migrate" for family in families for plan in family), families

@@ -420,7 +420,7 @@ class ElasticPolicy:
         leaving = {c.cell_id for c in cells}
         free = sum(obs.cell_capacity - c.active_runs for c in obs.cells
                    if c.role is Role.ROLLOUT and c.cell_id not in leaving) - obs.runs_queued
-        lack = moving - max(0, free)
+        lack = moving - free  # the queued runs take the slots that free first
         n = len(obs.run_elapsed_s)
         if lack <= 0 or n == 0:
             return 0.0
