@@ -321,7 +321,7 @@ def test_a_migrate_drain_short_of_free_slots_waits_for_runs_to_end_and_is_tried(
     drain is expected to last until as many runs in flight as are short have ended, no
     longer than its own runs' tail. Such a release is a plan of its own since session
     39 (it was not tried: nl2repo-2.4t, whose releases are 4 cells of runs, held them
-    for their runs' whole tail, 1.244 of the bound where migrating gives 1.203)."""
+    for their runs' whole tail, 1.244 of the bound where migrating gives 1.200)."""
     import dataclasses
 
     p = policy()

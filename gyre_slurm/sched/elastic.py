@@ -549,7 +549,7 @@ def _can_migrate(obs: Observation, cells: list[CellObs]) -> bool:
     moves only once a slot is free, and the others wait on their cell meanwhile
     (`slot_wait_s`): until session 39 such a drain was not tried, and nl2repo-2.4t
     (four-cell replicas: a release is four cells of runs) held its released cells for
-    their runs' whole tail, 1.244 of the bound where migrating gives 1.203."""
+    their runs' whole tail, 1.244 of the bound where migrating gives 1.200."""
     return sum(c.active_runs for c in cells) > 0
 
 
