@@ -42,7 +42,7 @@ from gyre_slurm.config.schema import SchedulerConfig
 from gyre_slurm.sched.cells import Role
 from gyre_slurm.sched.lend import TailLending
 from gyre_slurm.sched.outlook import Capacity, Outlook, StepOutlook, WorkloadPrior, build_outlook
-from gyre_slurm.sched.rule import (WaterlevelRule, draining_to_train, releasable_cells,
+from gyre_slurm.sched.rule import (WaterlevelRule, draining_to_train, free_slots, releasable_cells,
                                    takeable_train_cells)
 from gyre_slurm.sched.survival import (longest_of, migrate_wait_s, mixed_alive_curve,
                                        residual_tail)
@@ -417,9 +417,7 @@ class ElasticPolicy:
         cells that stay (a run moves only to a free slot, the queued runs first): until as
         many runs in flight as they lack have ended, expected."""
         moving = sum(c.active_runs for c in cells)
-        leaving = {c.cell_id for c in cells}
-        free = sum(obs.cell_capacity - c.active_runs for c in obs.cells
-                   if c.role is Role.ROLLOUT and c.cell_id not in leaving) - obs.runs_queued
+        free = free_slots(obs, {c.cell_id for c in cells}) - obs.runs_queued
         lack = moving - free  # the queued runs take the slots that free first
         n = len(obs.run_elapsed_s)
         if lack <= 0 or n == 0:

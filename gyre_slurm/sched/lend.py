@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gyre_slurm.sched.cells import Role
-from gyre_slurm.sched.rule import releasable_cells
+from gyre_slurm.sched.rule import free_slots, releasable_cells
 from gyre_slurm.sched.types import CellObs, Decision, Observation
 
 
@@ -94,8 +94,7 @@ class TailLending:
         if not out or len(roll) <= 1:
             return None
         cell = out[0]
-        free = sum(obs.cell_capacity - c.active_runs for c in roll if c.cell_id != cell.cell_id)
-        return cell if cell.active_runs <= free else None
+        return cell if cell.active_runs <= free_slots(obs, {cell.cell_id}) else None
 
     def backlog_s(self, obs: Observation) -> float:
         """Seconds of training the ready tokens hold for the training cells now."""

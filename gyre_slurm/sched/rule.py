@@ -102,3 +102,9 @@ def takeable_train_cells(obs: Observation, min_dwell_s: float) -> list[CellObs]:
                and dwelled(c, obs, min_dwell_s)]
     movable.sort(key=lambda c: (c.since_s, -c.cell_id))
     return movable
+
+
+def free_slots(obs: Observation, leaving: set[int]) -> int:
+    """Free slots of the rollout cells that stay when the cells `leaving` go."""
+    return sum(obs.cell_capacity - c.active_runs for c in obs.cells
+               if c.role is Role.ROLLOUT and c.cell_id not in leaving)
