@@ -97,7 +97,8 @@ class SchedulerConfig:
                 "(heavy tails: often wait)")
     forecast: bool = key(True, "elastic decides by the outlook of the steps ahead (false: "
                                "the waterlevel rule on the demand now)")
-    horizon_steps: int = key(2, "steps the outlook looks ahead, beyond those allowed now")
+    horizon_steps: int = key(2, "steps the outlook looks ahead, beyond those allowed now, "
+                                  "where demand changes within them (steps all alike: 1)")
     min_gain: float = key(0.02, "a move must finish the outlook's horizon this fraction of "
                                 "its time sooner")
     lend_cells: int = key(4, "elastic lends at most this many spare rollout cells (and "
