@@ -55,9 +55,10 @@ class TrainingLoop:
         self.step_signals: dict[int, dict] = {}  # stream index -> its micro-batch's sums
         self.rewards: list[dict] = []  # per step: mean reward, ok runs
 
-    def tokens_per_cell_s(self) -> float:
-        """Measured training speed of one cell (the median of the last 20 micro-batches)."""
-        return statistics.median(self.train_rate[-20:]) if self.train_rate else 1000.0
+    def tokens_per_cell_s(self, prior: float) -> float:
+        """Measured training speed of one cell (the median of the last 20 micro-batches);
+        `prior` (the config's) until a micro-batch has been measured."""
+        return statistics.median(self.train_rate[-20:]) if self.train_rate else prior
 
     async def run(self) -> None:
         book, world = self.job.book, self.world

@@ -63,22 +63,38 @@ def build_observation(*, cfg: GyreConfig, now_s: float, table: CellTable,
     )
 
 
+def prior_tokens_per_cell_s(cfg: GyreConfig) -> float:
+    """Trained tokens/s per cell of a smallest training world, as configured
+    (`training.node_tokens_per_s`): what the policy assumes until the trainer has
+    measured its own."""
+    t, nodes = cfg.training, cfg.cluster.cell_nodes
+    cells = min_train_cells(cfg)
+    return t.throughput(cells * nodes) / cells
+
+
+def prior_tokens_per_run(cfg: GyreConfig, step: int = 0) -> float:
+    """A run's trained tokens at `step`, as configured (`workload.tokens_mean`, its
+    phase's scale, times what the packing computes): what the policy assumes until
+    trajectories have come."""
+    w = cfg.workload
+    per_token = 1.0 if cfg.training.packing == "tree" else w.rows_reread
+    return w.tokens_mean * per_token * step_shape(cfg, step).tokens_scale
+
+
 def opening_observation(cfg: GyreConfig) -> Observation:
     """The job as it starts, from the config alone (its cells are filled in by the
     policy): every run of the first steps allowed and queued, nothing to train yet,
     training at the configured pace per cell of a smallest world, each run's trained
     tokens as configured (`workload.tokens_mean`, times what the packing computes)."""
-    w, t, nodes = cfg.workload, cfg.training, cfg.cluster.cell_nodes
-    cells = math.ceil(t.min_replica_nodes / nodes)
-    cell_tps = t.throughput(cells * nodes) / cells
-    per_token = 1.0 if t.packing == "tree" else w.rows_reread
+    w, t = cfg.workload, cfg.training
     allowed = min(w.num_steps, t.max_staleness + 1) * w.runs_per_step
     return Observation(
         now_s=0.0, cells=(), cell_capacity=cfg.cell_capacity, runs_in_flight=0,
         runs_queued=allowed, runs_future=w.num_steps * w.runs_per_step - allowed,
         run_elapsed_s=np.zeros(0), train_ready_tokens=0.0, train_waiting_tokens=0.0,
-        train_tokens_per_cell_s=cell_tps, min_train_cells=cells,
-        tokens_per_run=w.tokens_mean * per_token * step_shape(cfg, 0).tokens_scale,
+        train_tokens_per_cell_s=prior_tokens_per_cell_s(cfg),
+        min_train_cells=min_train_cells(cfg),
+        tokens_per_run=prior_tokens_per_run(cfg, 0),
         policy_version=0, steps_done=0, num_steps=w.num_steps,
         handoff_to_train_s=cfg.handoff.to_train_s, handoff_to_rollout_s=cfg.handoff.to_rollout_s,
         run_steps=np.zeros(0, dtype=np.int64), call_interval_s=cfg.rollout.call_interval_s)
