@@ -72,13 +72,17 @@ def prior_tokens_per_cell_s(cfg: GyreConfig) -> float:
     return t.throughput(cells * nodes) / cells
 
 
+def computed_per_tree_token(cfg: GyreConfig) -> float:
+    """Tokens the trainer computes per token of a run's prefix tree (its packing)."""
+    return 1.0 if cfg.training.packing == "tree" else cfg.workload.rows_reread
+
+
 def prior_tokens_per_run(cfg: GyreConfig, step: int = 0) -> float:
     """A run's trained tokens at `step`, as configured (`workload.tokens_mean`, its
     phase's scale, times what the packing computes): what the policy assumes until
     trajectories have come."""
-    w = cfg.workload
-    per_token = 1.0 if cfg.training.packing == "tree" else w.rows_reread
-    return w.tokens_mean * per_token * step_shape(cfg, step).tokens_scale
+    return (cfg.workload.tokens_mean * computed_per_tree_token(cfg)
+            * step_shape(cfg, step).tokens_scale)
 
 
 def opening_observation(cfg: GyreConfig) -> Observation:

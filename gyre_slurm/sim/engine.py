@@ -15,16 +15,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gyre_slurm.config.phases import step_shape
 from gyre_slurm.config.schema import GyreConfig, HandoffConfig
 from gyre_slurm.sched.cells import Cell, CellTable, Role
 from gyre_slurm.sched.ledger import WorkLedger
-from gyre_slurm.sched.observe import RunsNow, build_observation, min_train_cells
+from gyre_slurm.sched.observe import (RunsNow, build_observation, prior_tokens_per_cell_s,
+                                      prior_tokens_per_run)
 from gyre_slurm.sched.types import Decision, Observation, Policy
 from gyre_slurm.sim.limits import MAX_TICKS, TooLargeToSimulate, check_job, time_limit_s
 from gyre_slurm.sim.rollout import RUNNING, RolloutCells
 from gyre_slurm.sim.training import Microbatch, train_throughput
-from gyre_slurm.sim.workload import Workload, computed_per_tree_token
+from gyre_slurm.sim.workload import Workload
 
 FUTURE, QUEUED, DONE = 0, 1, 3
 RUN_DONE, MIGRATE, PHASE_DONE, TRAIN_DONE, STALL_END, TICK, TRAIN_KICK, ADMIT = range(8)
@@ -126,11 +126,10 @@ class Simulator:
         self.idle_ticks = 0
         self.kick_pending = False
         self.admit_pending = False
-        # What observations say of the config, computed once: a cell's training rate in
-        # a smallest world, and a run's trained tokens per step.
-        min_cells = min_train_cells(cfg)
-        self.cell_tps = train_throughput(
-            cfg.training, min_cells * cfg.cluster.cell_nodes) / min_cells
+        # What observations say of the config (the priors the runtime's say until it has
+        # measured), computed once: a cell's training rate in a smallest world, and a
+        # run's trained tokens per step.
+        self.cell_tps = prior_tokens_per_cell_s(cfg)
         self.run_tokens: dict[int, float] = {}
 
     # -- event plumbing --------------------------------------------------------------
@@ -433,10 +432,8 @@ class Simulator:
         """A run's trained tokens at this step (its phase), computed once per step."""
         out = self.run_tokens.get(step)
         if out is None:
-            shape = step_shape(self.cfg, min(step, self.w.num_steps - 1))
             out = self.run_tokens[step] = float(
-                self.cfg.workload.tokens_mean * computed_per_tree_token(self.cfg)
-                * shape.tokens_scale)
+                prior_tokens_per_run(self.cfg, min(step, self.w.num_steps - 1)))
         return out
 
     # -- results ---------------------------------------------------------------------

@@ -21,6 +21,7 @@ import numpy as np
 from gyre_slurm.config.phases import StepShape, step_shape
 from gyre_slurm.config.schema import DurationConfig, GyreConfig
 from gyre_slurm.config.trace import load_trace
+from gyre_slurm.sched.observe import computed_per_tree_token
 from gyre_slurm.sim.limits import check_size
 
 
@@ -86,7 +87,3 @@ def sample_workload(cfg: GyreConfig, *, base_dir: Path | None = None) -> Workloa
         num_steps=w.num_steps, runs_per_step=w.runs_per_step, group_size=w.group_size,
     )
 
-
-def computed_per_tree_token(cfg: GyreConfig) -> float:
-    """Tokens the trainer computes per token of a run's prefix tree (its packing)."""
-    return 1.0 if cfg.training.packing == "tree" else cfg.workload.rows_reread
