@@ -5,8 +5,8 @@ falls more than 3% behind the best fixed split chosen with hindsight.
     tools/gyre-env python tools/sim_draws.py [--draws N] [--seed S] [--repeats K]
         [--jobs J] [--variant KEY=VALUE ...] [--jsonl FILE]
 
-Draws N jobs with the strategy of tests/test_sim_policy_props.py (the same jobs the test
-draws, from the hypothesis seed S rather than its derandomized ones) and simulates each
+Draws N jobs with tests/test_sim_policy_props.py's `drawn_jobs` (draw S; the test checks
+the first 40 of draw 0, so `--seed 0` repeats them first) and simulates each
 with elastic and every fixed split (async, with and without streaming), as the test
 does. Prints how many are more than 3% behind the best fixed split, the worst, the mean
 ratio, and each job over 3% with its `--set` overrides.
@@ -21,8 +21,8 @@ is a policy error.
 `--variant KEY=VALUE` (repeatable) also runs elastic with those overrides on every job
 and prints the pair: jobs over 3% both ways, and the jobs the variant makes more than 1%
 faster or slower. `--jsonl FILE` writes one line per job (ratios, makespans, handoffs,
-its overrides). Deterministic for N and S (hypothesis draws other jobs for another N:
-the first 30 of 500 are not the 30 of `--draws 30`). 500 jobs take about 4 CPU-minutes
+its overrides). Deterministic for S, wherever it runs; the first 30 of 500 are the 30 of
+`--draws 30`. 500 jobs take about 4 CPU-minutes
 (with --repeats 0).
 """
 
@@ -38,30 +38,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
-
 from gyre_slurm.config.schema import load_config  # noqa: E402
 from gyre_slurm.sched.policies import named_policy  # noqa: E402
 from gyre_slurm.sim.runner import simulate  # noqa: E402
 from gyre_slurm.sim.workload import sample_workload  # noqa: E402
-from test_sim_policy_props import fixed_split_makespans, workload_overrides  # noqa: E402
+from test_sim_policy_props import drawn_jobs, fixed_split_makespans  # noqa: E402
 
 BEHIND = 1.03  # the property test's limit
-
-
-def draw_jobs(n: int, hypothesis_seed: int) -> list[list[str]]:
-    """The first n jobs the property strategy draws from this seed, as overrides."""
-    jobs: list[list[str]] = []
-
-    @seed(hypothesis_seed)
-    @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
-    @given(overrides=workload_overrides())
-    def collect(overrides):
-        jobs.append(list(overrides))
-
-    collect()
-    return jobs
 
 
 def measure(args: tuple[list[str], list[str]]) -> dict:
@@ -114,21 +97,21 @@ def brief(overrides: list[str]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draws", type=int, default=500)
-    ap.add_argument("--seed", type=int, default=0, help="hypothesis seed of the draw")
+    ap.add_argument("--seed", type=int, default=0, help="which draw (the test checks draw 0)")
     ap.add_argument("--repeats", type=int, default=20,
                     help="workload seeds per job over 3%% (0: none)")
     ap.add_argument("--jobs", type=int, default=1, help="processes")
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--jsonl", type=Path)
     a = ap.parse_args()
-    jobs = draw_jobs(a.draws, a.seed)
+    jobs = drawn_jobs(a.draws, a.seed)
     with Pool(a.jobs) as pool:
         rows = pool.map(measure, [(j, a.variant) for j in jobs], chunksize=4)
         if a.jsonl:
             a.jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
         ratios = [r["ratio"] for r in rows]
         over = [r for r in rows if r["ratio"] > BEHIND]
-        print(f"{len(rows)} jobs (hypothesis seed {a.seed}): {len(over)} more than 3% behind "
+        print(f"{len(rows)} jobs (draw {a.seed}): {len(over)} more than 3% behind "
               f"the best fixed split; worst {max(ratios):.4f}, mean {statistics.mean(ratios):.4f}, "
               f"median {statistics.median(ratios):.4f}")
         if a.variant:
