@@ -108,7 +108,6 @@ class ElasticPolicy:
         self._drains: dict[int, str] = {}  # cell draining towards training -> wait or migrate
         self.lending = TailLending(cfg.lend_cells, window=prior.window if prior else 0)
         self._lend_refused_at = -math.inf
-        self._ready_at = -math.inf  # when training last had tokens ready (lending credit)
 
     def initial_layout(self, num_cells: int) -> Layout:
         """The floors, plus the elastic cells the outlook would have train from the start
@@ -121,7 +120,10 @@ class ElasticPolicy:
                       for i, (role, alone) in enumerate(zip(floors.roles, floors.standalone)))
         obs = dataclasses.replace(self.opening, cells=cells, handoff_to_train_s=0.0,
                                   handoff_to_rollout_s=0.0)  # no cell has a role to leave
-        outlook = self.outlook(obs)
+        # Weighed without the lending credit: the opening's cells move before any tail
+        # (credited, the benchmark's replayed workload started on the floors, released 6
+        # cells 4.5 s in and ended 9 s later).
+        outlook = self.outlook(obs, lending=False)
         if not outlook.steps:
             return floors
         stay = self.evaluate(outlook, obs, Plan("stay", []))
@@ -212,22 +214,24 @@ class ElasticPolicy:
         return stay.finish_s - finish_s >= self.cfg.min_gain * left
 
     def outlook(self, obs: Observation, *, lending: bool = True) -> Outlook:
-        """The horizon's outlook; with `lending`, crediting the lending to come, but only
-        where training has had tokens ready within a cell's `min_dwell_s`: lending needs
-        them (`TailLending.candidate`), and on training-light jobs, where training keeps
-        up and they are seldom there, the credit held layouts for lending that never
-        came (the property test's 2-4 runs a step on 3-8 cells ran 3-7% behind the best
-        fixed split). Not only at this instant: training empties its backlog between
-        micro-batches, and a credit that came and went with it had deepswe-122b release
-        a cell with a wait drain and cancel it three times in its first 8,500 s (each
-        plan weighed with a different outlook)."""
-        if obs.train_ready_tokens > 0:
-            self._ready_at = obs.now_s
-        recent = obs.now_s - self._ready_at <= self.cfg.min_dwell_s
+        """The horizon's outlook; with `lending`, crediting the lending to come in the
+        steps' tails (`Outlook._lend`: a cell is credited only where it arrives before
+        the step it trains is trained, so only where training is behind).
+
+        The credit does not depend on whether tokens are ready now. It used to be given
+        only where training had had tokens ready within `min_dwell_s`, and that proxy
+        came and went between consecutive decisions: in the real-run benchmark
+        (session 40) elastic reclaimed a cell at 200.1 s with the credit (the last
+        micro-batch had taken the ready tokens at 197.6 s) and released another at
+        201.6 s without it, the layout it had just chosen expected to finish step 7 at
+        334.6 s, then at 402.7 s. The jobs the proxy was for (a few runs a step on 3-8
+        cells, where training keeps up and a lend never came) are no longer credited
+        lending at all (`TailLending.cells`: none where a staleness window's runs fit),
+        and a lend itself still needs tokens ready (`TailLending.candidate`)."""
         return build_outlook(obs, self.prior, horizon_steps=self.cfg.horizon_steps,
                              streaming=self.streaming,
                              lend_cells=max(0, self.lending.cells(obs) - len(self.lending.lent))
-                             if lending and recent else 0)
+                             if lending else 0)
 
     def lend(self, obs: Observation) -> list[Decision]:
         """Lend a spare rollout cell to training for this step's tail (`TailLending`),
