@@ -227,11 +227,17 @@ class ElasticPolicy:
         334.6 s, then at 402.7 s. The jobs the proxy was for (a few runs a step on 3-8
         cells, where training keeps up and a lend never came) are no longer credited
         lending at all (`TailLending.cells`: none where a staleness window's runs fit),
-        and a lend itself still needs tokens ready (`TailLending.candidate`)."""
+        and a lend itself still needs tokens ready (`TailLending.candidate`).
+
+        Without streaming, no credit: training takes a step whole once it is rolled out,
+        so no tokens are ever ready in a tail and nothing is lent (terminalbench-122b
+        elastic-nostream: 8,743 tail checks found no tokens ready, none found any); the
+        credit held one training cell for lending that never came (makespan 1.57x
+        elastic's, against 1.32x with the old proxy)."""
         return build_outlook(obs, self.prior, horizon_steps=self.cfg.horizon_steps,
                              streaming=self.streaming,
                              lend_cells=max(0, self.lending.cells(obs) - len(self.lending.lent))
-                             if lending else 0)
+                             if lending and self.streaming else 0)
 
     def lend(self, obs: Observation) -> list[Decision]:
         """Lend a spare rollout cell to training for this step's tail (`TailLending`),
