@@ -152,3 +152,23 @@ def test_trained_runs_are_counted_live_as_training_consumes_them():
     resumed = book(prompts_per_step=1, group_size=2)
     resumed.mark_trained_before(1)
     assert resumed.run_counts()["trained"] == 2 and resumed.run_counts()["pending"] == 4
+
+
+def test_a_runs_tokens_are_measured_per_run_and_stay_once_handed_out():
+    """The observation's tokens per run: every trajectory of an ended ok run counts
+    (a run of two trajectories is twice one), failed runs not at all, and the figure
+    holds once the trainer has taken the trajectories (it used to be the mean of those
+    not yet handed out, per trajectory, and the config's prior in between)."""
+    b = book()
+    assert b.tokens_per_run(0) is None and b.tokens_per_run(-1) is None
+    for r in b.pending():
+        b.start(r.run_id)
+    a, c, f = run_id_of(0, 0, 0), run_id_of(0, 0, 1), run_id_of(0, 1, 0)
+    b.finish(a, status="ok", reward=1.0, trajectories=[traj(a, 4)])
+    assert b.tokens_per_run(0) == 4
+    b.finish(c, status="ok", reward=0.0, trajectories=[traj(c, 4), traj(c, 8)])
+    b.finish(f, status="failed", reward=0.0, trajectories=[traj(f, 100)])
+    assert b.tokens_per_run(0) == (4 + 12) / 2
+    while b.next_microbatch(max_tokens=1000):  # handed out: the measure holds
+        pass
+    assert b.tokens_per_run(0) == 8 and b.tokens_per_run(1) is None

@@ -54,6 +54,11 @@ def test_the_policy_sees_the_configs_priors_until_the_runtime_has_measured(tmp_p
     assert first.tokens_per_run == pytest.approx(prior_tokens_per_run(cfg, 0))
     assert prior_tokens_per_cell_s(cfg) != 1000.0 and prior_tokens_per_run(cfg, 0) != 100.0
     # ... and once trajectories have come, what they hold
-    measured = [o.tokens_per_run for o in policy.seen
+    measured = [i for i, o in enumerate(policy.seen)
                 if o.tokens_per_run != pytest.approx(prior_tokens_per_run(cfg, 0))]
     assert measured, "no observation carried a measured tokens per run"
+    # ... and every observation after the first measured one: the measure does not go
+    # back to the prior once the trainer has taken the trajectories (it did: it was the
+    # mean of those not yet handed out)
+    later = [o.tokens_per_run for o in policy.seen[measured[0]:]]
+    assert prior_tokens_per_run(cfg, 0) not in later, later

@@ -241,6 +241,15 @@ class StepBook:
     def ready_tokens(self) -> int:
         return int(self.work.ready[self.version]) if self.version < self.num_steps else 0
 
+    def tokens_per_run(self, step: int) -> float | None:
+        """The mean tokens of the ended ok runs of `step` (every trajectory's, as the
+        ledger counts a run's work); None until one has ended."""
+        if not 0 <= step < self.num_steps:
+            return None
+        toks = [_tokens(self.runs[r].trajectories) for r in self.steps[step].runs
+                if self.runs[r].trajectories]
+        return sum(toks) / len(toks) if toks else None
+
 
 def _tokens(trajectories: list[dict]) -> int:
     """The work a trajectory stands for, as the ledger counts it: its tokens."""

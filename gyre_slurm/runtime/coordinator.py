@@ -40,7 +40,6 @@ import collections
 import logging
 import os
 import shutil
-import statistics
 import time
 from pathlib import Path
 
@@ -335,7 +334,6 @@ class Coordinator:
     def observe(self) -> Observation:
         now = time.time()
         load = self.gateway.server_load()
-        traj_tokens = [len(t["token_ids"]) for s in self.book.steps for t in s.ready]
         runs = RunsNow(in_flight=self.rollouts.in_flight(), queued=len(self.book.pending()),
                        future=self.book.future(),
                        elapsed_s=np.asarray(self.rollouts.elapsed_s(now)),
@@ -350,10 +348,27 @@ class Coordinator:
             # first decision reclaim 2 of its opening training cells, released 8 s later)
             train_tokens_per_cell_s=self.training.tokens_per_cell_s(
                 prior_tokens_per_cell_s(self.cfg)),
-            tokens_per_run=float(statistics.fmean(traj_tokens)) if traj_tokens
-            else prior_tokens_per_run(self.cfg, self.book.version),
+            tokens_per_run=self.tokens_per_run(),
             handoff=self.cfg.handoff,
             call_interval_s=self.rollouts.call_interval_s(now, self.gateway.calls_of))
+
+    def tokens_per_run(self) -> float:
+        """A run's trained tokens in the step being trained: measured on its ended runs;
+        before any has ended, the step before's measure scaled as the config scales the
+        two (a phase); before that, the config's. It was the mean of the trajectories
+        not yet handed to the trainer, per trajectory (not per run), and the config's
+        whenever none were waiting: streamed training takes them as they come, so the
+        observation went back and forth between the two, and on a slow machine the
+        priors test's policy never saw a measured figure."""
+        step = min(self.book.version, self.cfg.workload.num_steps - 1)
+        prior = prior_tokens_per_run(self.cfg, step)
+        measured = self.book.tokens_per_run(step)
+        if measured is not None:
+            return measured
+        before = self.book.tokens_per_run(step - 1)
+        if before is not None:
+            return before * prior / max(prior_tokens_per_run(self.cfg, step - 1), 1e-9)
+        return prior
 
     def cell_runs(self, cell: int, load: dict) -> int:
         """Runs on the cell's servers (`load`: the gateway's server_load())."""
