@@ -143,6 +143,15 @@ def _lend_obs(*, now, ready, roles=None, loads=None, cap=8):
         run_steps=np.full(runs, 3))
 
 
+def _capacities(outlook, obs, roll: int, train: int):
+    """Rollout and training capacities of `roll` and `train` cells held from now."""
+    from gyre_slurm.sched.outlook import Capacity
+
+    cap = obs.cell_capacity
+    return (Capacity(obs.now_s, roll, lambda c: c * cap),
+            Capacity(obs.now_s, train, outlook.train_rate))
+
+
 def _lend_policy(runs_per_step=32):
     prior = WorkloadPrior(durations=StepDurations((DurationModel.lognormal(mean_s=600, sigma=0.5),)),
                           runs_per_step=runs_per_step, group_size=4, staleness=1)
@@ -165,14 +174,6 @@ def test_the_lending_credit_does_not_come_and_go_with_the_tokens_ready_now():
     assert p.outlook(obs, lending=False).lend is None
 
 
-def _capacities(outlook, obs, roll: int, train: int):
-    from gyre_slurm.sched.outlook import Capacity
-
-    cap = obs.cell_capacity
-    return (Capacity(obs.now_s, roll, lambda c: c * cap),
-            Capacity(obs.now_s, train, outlook.train_rate))
-
-
 def test_no_lending_where_a_new_batch_never_needs_the_cells_back():
     """A staleness window of 2 x 4 runs fits in one 8-slot cell: a cell lent in a tail
     is a release the base plan should make once, not a lend and a return every step
@@ -187,17 +188,12 @@ def test_a_plan_with_no_training_side_is_credited_no_lending():
     """A cell is lent only to a training world that trains (a whole replica); without
     floors (elastic-nofloor) plans with no training cell were credited lending that
     never came (deepswe-122b-curriculum 26% slower than elastic)."""
-    from gyre_slurm.sched.outlook import Capacity
-
     p = _lend_policy()
     obs = _lend_obs(now=1000.0, ready=50_000.0)
     outlook = p.outlook(obs)
     assert outlook.lend is not None
-    cap = obs.cell_capacity
     credited = {}
     for trainers in (0, 2):
-        roll = Capacity(obs.now_s, 6, lambda c: c * cap)
-        train = Capacity(obs.now_s, trainers, outlook.train_rate)
-        outlook.finish_s(roll, train)
+        outlook.finish_s(*_capacities(outlook, obs, roll=6, train=trainers))
         credited[trainers] = outlook.lent_cell_s
     assert credited[0] == 0.0 and credited[2] > 0.0, credited
