@@ -1,5 +1,6 @@
 import dataclasses
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import yaml
@@ -295,3 +296,26 @@ def test_model_family_variants_load(name):
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / name)
     assert (cfg.trainer.precision, cfg.trainer.distributed_optimizer) == ("bf16", True)
     assert cfg.trainer.expert_parallel == (2 if cfg.model.family == "qwen3_moe" else 1)
+
+
+TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ([], True),  # tiny.yaml: elastic, the embedded engine, released by pause
+    (["scheduler.policy=async"], False),  # a fixed split moves no cell
+    (["scheduler.policy=colocate"], False),  # every cell opens in rollout
+    (["rollout.release=stop"], False),  # a stopped server is no standby
+    (["rollout.engine=vllm", "model.heads=2"], False),  # CPU vLLM: a paused one keeps memory
+    (["rollout.engine=vllm", "model.heads=2", "cluster.gpus_per_node=8"], True),  # sleeps
+    (["scheduler.policy=async", "rollout.standby=always"], True),
+    (["rollout.standby=never"], False),
+])
+def test_standby_servers_follow_the_policy_and_the_engine(overrides, expected):
+    cfg = load_config(TINY, overrides)
+    assert cfg.standby_engines is expected
+
+
+def test_standby_always_with_release_stop_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match="rollout.standby: always .* rollout.release: stop"):
+        load_config(TINY, ["rollout.standby=always", "rollout.release=stop"])

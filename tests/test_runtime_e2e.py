@@ -152,6 +152,52 @@ def test_elastic_moves_cells_both_ways(tmp_path):
     assert decisions and all(d["reason"] for d in decisions)
 
 
+# configs/bench-modes-phases.yaml in small: training-bound steps, then runs ten times
+# longer from step 2, so the opening puts elastic cells in training and the phase change
+# moves some of them to rollout.
+PHASES = ["cluster.num_nodes=4", "workload.num_steps=4", "workload.prompts_per_step=4",
+          "workload.phases=[{from_step: 0, duration_scale: 0.05}, "
+          "{from_step: 2, duration_scale: 0.5}]"]
+
+
+@pytest.mark.parametrize("standby", ["auto", "never"])
+def test_cells_that_open_in_training_keep_a_released_server(tmp_path, standby):
+    """rollout.standby (auto: always with elastic and the embedded engine): the cells
+    that open in training, beyond the standalone floor, start a server at the layout and
+    release it, so their first move to rollout resumes it and no process starts after
+    the job's start. With never, that first move starts one (logged as spawned then)."""
+    run_dir = tmp_path / standby
+    args = [sys.executable, "-m", "gyre_slurm", "run",
+            str(ROOT / "configs" / "bench-modes-phases.yaml"), "--run-dir", str(run_dir)]
+    for item in PHASES + [f"rollout.standby={standby}"]:
+        args += ["--set", item]
+    proc = subprocess.run(args, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    events = check_run_dir(run_dir, num_steps=4)
+    layout = next(e for e in events if e["kind"] == "layout")
+    floor = 1  # scheduler.min_train_cells: the standalone training cell (cell 1)
+    opened = [c for c, role in enumerate(layout["roles"]) if role == "train" and c != floor]
+    assert opened, layout
+    start = next(e["t"] for e in events if e["kind"] == "start")
+    spawned = [e for e in events if e["kind"] == "engine_spawned"]
+    moves = {}  # cell -> its first move to rollout (the handoff event is its end)
+    for e in events:
+        if e["kind"] == "handoff" and e["direction"] == "train->rollout":
+            for c in e["cells"]:
+                moves.setdefault(c, e["t"])
+    moved = sorted(set(opened) & set(moves))
+    assert moved, (opened, moves)
+    if standby == "auto":
+        assert layout["standby_cells"] == opened, layout
+        assert sorted(e["cell"] for e in spawned if e.get("standby")) == opened, spawned
+        assert all(e["t"] <= start for e in spawned), spawned  # none after the start
+    else:
+        assert "standby_cells" not in layout and not any(e.get("standby") for e in spawned)
+        for c in moved:
+            assert [e for e in spawned if e["cell"] == c and start < e["t"] <= moves[c]], c
+
+
 @pytest.mark.parametrize("config", ["tiny.yaml", "tiny-vllm-megatron.yaml"])
 def test_killed_and_resumed_run_loses_and_repeats_nothing(tmp_path, config):
     """SIGKILL of the whole job mid-step, then --resume (with the real engines too: the

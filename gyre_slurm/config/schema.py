@@ -263,6 +263,18 @@ class GyreConfig:
         return "sleep" if self.cluster.gpus_per_node else "pause"
 
     @property
+    def standby_engines(self) -> bool:
+        """Whether the cells that open in training get released servers at the start
+        (`rollout.standby`). auto: with the elastic policy, unless servers are stopped
+        at release, or are vLLM on CPU (no sleep mode there: a paused server keeps its
+        KV cache in the memory the node's training ranks use)."""
+        if self.rollout.standby != "auto":
+            return self.rollout.standby == "always"
+        cpu_vllm = self.rollout.engine == "vllm" and not self.cluster.gpus_per_node
+        return (self.scheduler.policy == "elastic" and self.release_mode != "stop"
+                and not cpu_vllm)
+
+    @property
     def servers_per_node(self) -> int:
         """Rollout servers on each node of a rollout cell."""
         gpus, tp = self.cluster.gpus_per_node, self.rollout.tensor_parallel

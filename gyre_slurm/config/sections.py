@@ -301,6 +301,14 @@ class RolloutConfig:
     release: Literal["auto", "sleep", "pause", "stop"] = key(
         "auto", "how a server frees its node at a handoff to training: auto = sleep on "
                 "GPUs, pause on CPU (vLLM has no sleep mode there)")
+    standby: Literal["auto", "always", "never"] = key(
+        "auto", "always | never: cells that open in training (beyond the standalone "
+                "floor) start their servers too and release them at once, so that a "
+                "cell's first move to rollout resumes a released server (seconds) instead "
+                "of starting one (minutes on GPUs); auto = always with scheduler.policy "
+                "elastic (the one that moves training cells to rollout) unless "
+                "rollout.release is stop or the engine is vLLM on CPU (a paused server "
+                "keeps its memory there)")
     engine_args: tuple[str, ...] = key((), "extra command-line arguments for vLLM")
     weight_sync: Literal["stream", "file"] = key(
         "file", "how each new policy reaches the servers (docs/weight-sync.md): stream, the "
@@ -329,6 +337,11 @@ class RolloutConfig:
             raise ConfigError("rollout.engine_args and rollout.release: sleep apply to "
                               "rollout.engine: vllm (the embedded engine frees its model when "
                               "released, or stops with release: stop)")
+        if self.standby == "always" and self.release == "stop":
+            raise ConfigError("rollout.standby: always keeps a released server on each cell "
+                              "that opens in training, which rollout.release: stop would stop "
+                              "at once; set rollout.standby: auto or never, or another "
+                              "release")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -179,11 +179,11 @@ class NodeAgent:
     async def cmd_start_engine(self, *, version: int) -> dict:
         t0 = time.monotonic()
         start = 0 if self._streamed else version  # streamed: from the initial weights
-        replaced, held = await self.engines.start(
+        replaced, held, spawned = await self.engines.start(
             version=start, weights_path=str(weights_dir(self.rd.path, start)),
             stream=self._streamed)
         return {"base_urls": self.engines.base_urls, "engine_kind": self.cfg.rollout.engine,
-                "replaced": replaced, "weights_version": held,
+                "replaced": replaced, "weights_version": held, "spawned": spawned,
                 "engine_start_s": time.monotonic() - t0}
 
     async def cmd_release_engine(self) -> dict:

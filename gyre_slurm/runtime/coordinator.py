@@ -288,14 +288,31 @@ class Coordinator:
         start (on the weights they can load: the policy's file, or streamed, the initial
         one) while the world is built, on other cells: neither waits for the other's
         process start-ups. Then they get the current policy (streamed: from the world)."""
-        rollout = self.table.ids(Role.ROLLOUT)
-        train_nodes = [n for c in self.table.ids(Role.TRAIN) for n in self.job.nodes_of(c)]
+        rollout, train = self.table.ids(Role.ROLLOUT), self.table.ids(Role.TRAIN)
+        train_nodes = [n for c in train for n in self.job.nodes_of(c)]
+        # The standalone training floor never moves to rollout: no standby server there.
+        standby = [c for c in train if not self.table[c].standalone] \
+            if self.cfg.standby_engines else []
 
         async def build_world() -> dict:
             async with self.world.lock:
                 return await self.world.rebuild(train_nodes)
 
-        started, timings = await both(self.handoffs.start_engines(rollout), build_world())
+        async def standby_and_world() -> dict:
+            """The training cells' standby servers (`rollout.standby`) and the world:
+            at once on CPU; on GPUs the servers start and sleep before the ranks take
+            the devices' memory."""
+            if not standby:
+                return await build_world()
+            if self.cfg.release_mode == "sleep":
+                standby_s = await self.handoffs.standby_engines(standby)
+                timings = await build_world()
+            else:
+                standby_s, timings = await both(self.handoffs.standby_engines(standby),
+                                                build_world())
+            return {**timings, "standby_s": standby_s, "standby_cells": standby}
+
+        started, timings = await both(self.handoffs.start_engines(rollout), standby_and_world())
         await self.handoffs.connect_engines(rollout, started)
         self.rd.event("layout", roles=[c.role.value for c in self.table.cells], **timings)
 

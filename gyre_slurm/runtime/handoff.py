@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from gyre_slurm.models import tiny
-from gyre_slurm.runtime.control import ControlClient
+from gyre_slurm.runtime.control import CommandError, ControlClient
 from gyre_slurm.runtime.job import JobState, ServerId
 from gyre_slurm.runtime.recovery import Recovery, catch_up
 from gyre_slurm.runtime.world import TrainWorld
@@ -168,6 +168,31 @@ class Handoffs:
         to the current policy and to the gateway."""
         return list(await asyncio.gather(*(self._start_engines(c) for c in cells)))
 
+    async def standby_engines(self, cells: list[int]) -> float:
+        """Start the servers of cells that open in training and release them at once
+        (`rollout.standby`): a cell's first move to rollout then resumes a released
+        server, as every later one does, instead of starting one (seconds on CPU,
+        minutes on GPUs, while the rollout that called for the cell waits).
+        A node whose server fails to start is logged and left without one: its cell's
+        first move to rollout starts it then, as it would have. The seconds it took."""
+        job = self.job
+        t0 = time.monotonic()
+
+        async def one(cell: int, node: int) -> None:
+            try:
+                res = await self.agents[node].post("/cmd/start_engine",
+                                                   {"version": job.book.version})
+                await self.agents[node].post("/cmd/release_engine", {})
+            except CommandError as exc:  # (AgentUnreachable too) the move starts it later
+                job.rd.event("standby_failed", cell=cell, node=node,
+                             reason=f"{type(exc).__name__}: {exc}"[:300])
+                return
+            job.rd.event("engine_spawned", cell=cell, node=node, version=job.book.version,
+                         seconds=float(res.get("engine_start_s", 0.0)), standby=True)
+
+        await asyncio.gather(*(one(c, n) for c in cells for n in job.nodes_of(c)))
+        return time.monotonic() - t0
+
     async def connect_engines(self, cells: list[int], started: list) -> float:
         """The second half of `bring_up_engines` (`started`: what `start_engines` gave)."""
         if not cells:
@@ -200,6 +225,9 @@ class Handoffs:
                                          for n in nodes))
         got = {}
         for node, res in zip(nodes, results):
+            if res.get("spawned"):  # a new process, not a released server resumed
+                job.rd.event("engine_spawned", cell=cell, node=node, version=version,
+                             seconds=float(res.get("engine_start_s", 0.0)))
             if res.get("replaced"):
                 job.rd.event("engine_replaced", cell=cell, node=node, when="resume",
                              reason=res["replaced"][:300])

@@ -95,12 +95,12 @@ class NodeEngines:
 
     # -- the commands -------------------------------------------------------------------
     async def start(self, *, version: int, weights_path: str,
-                    stream: bool = False) -> tuple[str | None, int | None]:
+                    stream: bool = False) -> tuple[str | None, int | None, bool]:
         """Resume the servers at `version` (killed and started anew if they do not answer
         in time: the reason is returned), or start them. `stream` (streamed weight
         sync): resumed servers only wake, their policy comes by stream. Returns the
-        reason they were replaced (or None) and the version their weights hold (None:
-        woken, whatever they held)."""
+        reason they were replaced (or None), the version their weights hold (None:
+        woken, whatever they held) and whether new processes were started."""
         async with self._turn():
             replaced, held = None, version
             if self.servers and stream:
@@ -110,10 +110,11 @@ class NodeEngines:
             elif self.servers:
                 replaced = await self._within_timeout("resume", [
                     s.client.resume(weights_path, version) for s in self.servers])
-            if not self.servers:
+            spawned = not self.servers
+            if spawned:
                 self.servers = await self._spawn(range(self.count), version, restart=False)
                 held = version
-            return replaced, held
+            return replaced, held, spawned
 
     async def release(self, *, stop: bool) -> str | None:
         """Release the servers (or stop them); the reason, if they had to be killed."""
