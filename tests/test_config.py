@@ -302,14 +302,16 @@ TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    ([], True),  # tiny.yaml: elastic, the embedded engine, released by pause
-    (["scheduler.policy=async"], False),  # a fixed split moves no cell
-    (["scheduler.policy=colocate"], False),  # every cell opens in rollout
-    (["rollout.release=stop"], False),  # a stopped server is no standby
-    (["rollout.engine=vllm", "model.heads=2"], False),  # CPU vLLM: a paused one keeps memory
+    ([], False),  # tiny.yaml: elastic on CPU (servers pause): no standby
     (["rollout.engine=vllm", "model.heads=2", "cluster.gpus_per_node=8"], True),  # sleeps
+    (["rollout.engine=vllm", "model.heads=2", "cluster.gpus_per_node=8",
+      "scheduler.policy=async"], False),  # a fixed split moves no cell
+    (["rollout.engine=vllm", "model.heads=2", "cluster.gpus_per_node=8",
+      "rollout.release=stop"], False),  # a stopped server is no standby
     (["scheduler.policy=async", "rollout.standby=always"], True),
-    (["rollout.standby=never"], False),
+    (["rollout.standby=always"], True),
+    (["rollout.engine=vllm", "model.heads=2", "cluster.gpus_per_node=8",
+      "rollout.standby=never"], False),
 ])
 def test_standby_servers_follow_the_policy_and_the_engine(overrides, expected):
     cfg = load_config(TINY, overrides)

@@ -160,12 +160,12 @@ PHASES = ["cluster.num_nodes=4", "workload.num_steps=4", "workload.prompts_per_s
           "{from_step: 2, duration_scale: 0.5}]"]
 
 
-@pytest.mark.parametrize("standby", ["auto", "never"])
+@pytest.mark.parametrize("standby", ["always", "never"])
 def test_cells_that_open_in_training_keep_a_released_server(tmp_path, standby):
-    """rollout.standby (auto: always with elastic and the embedded engine): the cells
-    that open in training, beyond the standalone floor, start a server at the layout and
-    release it, so their first move to rollout resumes it and no process starts after
-    the job's start. With never, that first move starts one (logged as spawned then)."""
+    """rollout.standby: always (auto on GPUs): the cells that open in training, beyond
+    the standalone floor, start a server at the layout and release it, so their first
+    move to rollout resumes it and no process starts after the job's start. With never
+    (auto on CPU), that first move starts one (logged as spawned then)."""
     run_dir = tmp_path / standby
     args = [sys.executable, "-m", "gyre_slurm", "run",
             str(ROOT / "configs" / "bench-modes-phases.yaml"), "--run-dir", str(run_dir)]
@@ -188,7 +188,7 @@ def test_cells_that_open_in_training_keep_a_released_server(tmp_path, standby):
                 moves.setdefault(c, e["t"])
     moved = sorted(set(opened) & set(moves))
     assert moved, (opened, moves)
-    if standby == "auto":
+    if standby == "always":
         assert layout["standby_cells"] == opened, layout
         assert sorted(e["cell"] for e in spawned if e.get("standby")) == opened, spawned
         assert all(e["t"] <= start for e in spawned), spawned  # none after the start

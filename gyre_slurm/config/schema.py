@@ -265,14 +265,13 @@ class GyreConfig:
     @property
     def standby_engines(self) -> bool:
         """Whether the cells that open in training get released servers at the start
-        (`rollout.standby`). auto: with the elastic policy, unless servers are stopped
-        at release, or are vLLM on CPU (no sleep mode there: a paused server keeps its
-        KV cache in the memory the node's training ranks use)."""
+        (`rollout.standby`). auto: with the elastic policy where servers sleep (GPUs):
+        there a cold start takes minutes and a wake seconds. Not on CPU: the nodes of a
+        local cluster share its cores, and the standby starts slowed the layout by what
+        they saved later (docs/bench-modes.md, session 42)."""
         if self.rollout.standby != "auto":
             return self.rollout.standby == "always"
-        cpu_vllm = self.rollout.engine == "vllm" and not self.cluster.gpus_per_node
-        return (self.scheduler.policy == "elastic" and self.release_mode != "stop"
-                and not cpu_vllm)
+        return self.scheduler.policy == "elastic" and self.release_mode == "sleep"
 
     @property
     def servers_per_node(self) -> int:

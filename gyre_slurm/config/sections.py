@@ -306,9 +306,7 @@ class RolloutConfig:
                 "floor) start their servers too and release them at once, so that a "
                 "cell's first move to rollout resumes a released server (seconds) instead "
                 "of starting one (minutes on GPUs); auto = always with scheduler.policy "
-                "elastic (the one that moves training cells to rollout) unless "
-                "rollout.release is stop or the engine is vLLM on CPU (a paused server "
-                "keeps its memory there)")
+                "elastic where servers sleep (GPUs), never on CPU (docs/runtime.md)")
     engine_args: tuple[str, ...] = key((), "extra command-line arguments for vLLM")
     weight_sync: Literal["stream", "file"] = key(
         "file", "how each new policy reaches the servers (docs/weight-sync.md): stream, the "
