@@ -160,16 +160,15 @@ PHASES = ["cluster.num_nodes=4", "workload.num_steps=4", "workload.prompts_per_s
           "{from_step: 2, duration_scale: 0.5}]"]
 
 
-@pytest.mark.parametrize("standby", ["always", "never"])
-def test_cells_that_open_in_training_keep_a_released_server(tmp_path, standby):
-    """rollout.standby: always (auto on GPUs): the cells that open in training, beyond
+def test_cells_that_open_in_training_keep_a_released_server(tmp_path):
+    """rollout.standby: always (auto on GPUs; on CPU auto is never, and a cell's first
+    move to rollout starts its server then): the cells that open in training, beyond
     the standalone floor, start a server at the layout and release it, so their first
-    move to rollout resumes it and no process starts after the job's start. With never
-    (auto on CPU), that first move starts one (logged as spawned then)."""
-    run_dir = tmp_path / standby
+    move to rollout resumes it and no server process starts after the job's start."""
+    run_dir = tmp_path / "standby"
     args = [sys.executable, "-m", "gyre_slurm", "run",
             str(ROOT / "configs" / "bench-modes-phases.yaml"), "--run-dir", str(run_dir)]
-    for item in PHASES + [f"rollout.standby={standby}"]:
+    for item in PHASES + ["rollout.standby=always"]:
         args += ["--set", item]
     proc = subprocess.run(args, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                           capture_output=True, text=True, timeout=400)
@@ -178,24 +177,16 @@ def test_cells_that_open_in_training_keep_a_released_server(tmp_path, standby):
     layout = next(e for e in events if e["kind"] == "layout")
     floor = 1  # scheduler.min_train_cells: the standalone training cell (cell 1)
     opened = [c for c, role in enumerate(layout["roles"]) if role == "train" and c != floor]
-    assert opened, layout
-    start = next(e["t"] for e in events if e["kind"] == "start")
+    assert opened and layout["standby_cells"] == opened, layout
+    moved = {c for e in events if e["kind"] == "handoff" and e["direction"] == "train->rollout"
+             for c in e["cells"]}
+    assert moved & set(opened), (opened, moved)  # a standby server was resumed
     spawned = [e for e in events if e["kind"] == "engine_spawned"]
-    moves = {}  # cell -> its first move to rollout (the handoff event is its end)
-    for e in events:
-        if e["kind"] == "handoff" and e["direction"] == "train->rollout":
-            for c in e["cells"]:
-                moves.setdefault(c, e["t"])
-    moved = sorted(set(opened) & set(moves))
-    assert moved, (opened, moves)
-    if standby == "always":
-        assert layout["standby_cells"] == opened, layout
-        assert sorted(e["cell"] for e in spawned if e.get("standby")) == opened, spawned
-        assert all(e["t"] <= start for e in spawned), spawned  # none after the start
-    else:
-        assert "standby_cells" not in layout and not any(e.get("standby") for e in spawned)
-        for c in moved:
-            assert [e for e in spawned if e["cell"] == c and start < e["t"] <= moves[c]], c
+    assert sorted(e["cell"] for e in spawned if e.get("standby")) == opened, spawned
+    others = [c for c in range(len(layout["roles"])) if c != floor]  # the floor serves none
+    assert sorted(e["cell"] for e in spawned) == others, spawned
+    start = next(e["t"] for e in events if e["kind"] == "start")
+    assert all(e["t"] <= start for e in spawned), spawned  # none after the start
 
 
 @pytest.mark.parametrize("config", ["tiny.yaml", "tiny-vllm-megatron.yaml"])
