@@ -35,6 +35,7 @@ OTHER cells moved with it) stops the job, loudly; `--resume` continues it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -179,16 +180,25 @@ class Handoffs:
         t0 = time.monotonic()
 
         async def one(cell: int, node: int) -> None:
+            agent = self.agents[node]
             try:
-                res = await self.agents[node].post("/cmd/start_engine",
-                                                   {"version": job.book.version})
-                await self.agents[node].post("/cmd/release_engine", {})
+                res = await agent.post("/cmd/start_engine", {"version": job.book.version})
             except CommandError as exc:  # (AgentUnreachable too) the move starts it later
                 job.rd.event("standby_failed", cell=cell, node=node,
-                             reason=f"{type(exc).__name__}: {exc}"[:300])
+                             reason=f"start: {type(exc).__name__}: {exc}"[:300])
                 return
-            job.rd.event("engine_spawned", cell=cell, node=node, version=job.book.version,
-                         seconds=float(res.get("engine_start_s", 0.0)), standby=True)
+            if res.get("spawned"):
+                job.rd.event("engine_spawned", cell=cell, node=node,
+                             version=job.book.version, standby=True,
+                             seconds=float(res.get("engine_start_s", 0.0)))
+            try:
+                await agent.post("/cmd/release_engine", {})
+            except CommandError as exc:  # a server left holding the node: stopped
+                job.rd.event("standby_failed", cell=cell, node=node,
+                             reason=f"release: {type(exc).__name__}: {exc}"[:300])
+                with contextlib.suppress(CommandError):
+                    await agent.post("/cmd/kill_engines",
+                                     {"reason": "its standby release failed"})
 
         await asyncio.gather(*(one(c, n) for c in cells for n in job.nodes_of(c)))
         return time.monotonic() - t0
