@@ -42,10 +42,11 @@ WATERLEVEL = ["scheduler.forecast=false", "scheduler.hysteresis=0", "scheduler.i
 PACED = ["trainer.pace=true", "training.node_tokens_per_s=200"]
 
 
-def gyre_run(run_dir: Path, *extra: str, resume: bool = False, timeout_s: float = 300):
+def gyre_run(run_dir: Path, *extra: str, resume: bool = False, timeout_s: float = 300,
+             config: str = "tiny.yaml"):
     args = [sys.executable, "-m", "gyre_slurm", "run"]
     args += ["--run-dir", str(run_dir), "--resume"] if resume else \
-        [str(ROOT / "configs" / "tiny.yaml"), "--run-dir", str(run_dir)]
+        [str(ROOT / "configs" / config), "--run-dir", str(run_dir)]
     for item in extra:
         args += ["--set", item]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -166,12 +167,8 @@ def test_cells_that_open_in_training_keep_a_released_server(tmp_path):
     the standalone floor, start a server at the layout and release it, so their first
     move to rollout resumes it and no server process starts after the job's start."""
     run_dir = tmp_path / "standby"
-    args = [sys.executable, "-m", "gyre_slurm", "run",
-            str(ROOT / "configs" / "bench-modes-phases.yaml"), "--run-dir", str(run_dir)]
-    for item in PHASES + ["rollout.standby=always"]:
-        args += ["--set", item]
-    proc = subprocess.run(args, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                          capture_output=True, text=True, timeout=400)
+    proc = gyre_run(run_dir, *PHASES, "rollout.standby=always",
+                    config="bench-modes-phases.yaml", timeout_s=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     events = check_run_dir(run_dir, num_steps=4)
     layout = next(e for e in events if e["kind"] == "layout")

@@ -187,12 +187,9 @@ class Handoffs:
                 job.rd.event("standby_failed", cell=cell, node=node,
                              reason=f"start: {type(exc).__name__}: {exc}"[:300])
                 return
-            if res.get("spawned"):
-                job.rd.event("engine_spawned", cell=cell, node=node,
-                             version=job.book.version, standby=True,
-                             seconds=float(res.get("engine_start_s", 0.0)))
+            self._log_start(cell, node, res, standby=True)
             try:
-                await agent.post("/cmd/release_engine", {})
+                self._log_release(cell, node, await agent.post("/cmd/release_engine", {}))
             except CommandError as exc:  # a server left holding the node: stopped
                 job.rd.event("standby_failed", cell=cell, node=node,
                              reason=f"release: {type(exc).__name__}: {exc}"[:300])
@@ -235,17 +232,30 @@ class Handoffs:
                                          for n in nodes))
         got = {}
         for node, res in zip(nodes, results):
-            if res.get("spawned"):  # a new process, not a released server resumed
-                job.rd.event("engine_spawned", cell=cell, node=node, version=version,
-                             seconds=float(res.get("engine_start_s", 0.0)))
-            if res.get("replaced"):
-                job.rd.event("engine_replaced", cell=cell, node=node, when="resume",
-                             reason=res["replaced"][:300])
+            self._log_start(cell, node, res)
             for k, url in enumerate(res["base_urls"]):
                 client = make_client(res.get("engine_kind", "embedded"), url, job.rd.secret(),
                                      release_mode=job.cfg.release_mode)
                 got[ServerId(cell, node, k)] = (client, res.get("weights_version", version))
         return got, max(float(res.get("engine_start_s", 0.0)) for res in results)
+
+    def _log_start(self, cell: int, node: int, res: dict, **extra) -> None:
+        """What a node's answer to /cmd/start_engine says: server processes started
+        (`engine_spawned`: new ones, not released servers resumed), or servers that did
+        not answer in time killed and started anew (`engine_replaced`)."""
+        job = self.job
+        if res.get("spawned"):
+            job.rd.event("engine_spawned", cell=cell, node=node, version=job.book.version,
+                         seconds=float(res.get("engine_start_s", 0.0)), **extra)
+        if res.get("replaced"):
+            job.rd.event("engine_replaced", cell=cell, node=node, when="resume",
+                         reason=res["replaced"][:300])
+
+    def _log_release(self, cell: int, node: int, res: dict) -> None:
+        """A node's answer to /cmd/release_engine: servers killed that did not release."""
+        if res.get("killed"):
+            self.job.rd.event("engine_replaced", cell=cell, node=node, when="release",
+                              reason=res["killed"][:300])
 
     async def _to_current(self, clients: dict, held: dict) -> None:
         """Servers that do not hold the current policy (`held`: sid -> version) get it:
@@ -318,9 +328,7 @@ class Handoffs:
         released = await asyncio.gather(*(self.agents[n].post("/cmd/release_engine")
                                           for _, n in pairs))
         for (c, n), res in zip(pairs, released):
-            if res.get("killed"):
-                job.rd.event("engine_replaced", cell=c, node=n, when="release",
-                             reason=res["killed"][:300])
+            self._log_release(c, n, res)
         phases["engine_release_s"] = time.monotonic() - t1
         async with world.lock:
             joining = {n for c in cells for n in job.nodes_of(c)}
