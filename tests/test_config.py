@@ -205,24 +205,27 @@ def test_gyre_config_prints_resolved_yaml(gyre):
 ])
 def test_a_run_dir_that_cannot_be_a_folder_is_refused_before_the_job_starts(
         gyre, tmp_path, where, message):
-    """`gyre run` and `gyre submit` say why the run dir cannot be made (exit 2, no
-    traceback) before they start or submit anything; the file in the way is untouched."""
+    """`gyre run`, `gyre submit` and `gyre sim --slurm` say why their folder cannot be
+    made (exit 2, no traceback) before they start or submit anything; the file in the way
+    is untouched."""
     (tmp_path / "a_file").write_text("mine\n")
-    for command in ("run", "submit"):
-        proc = gyre(command, "configs/tiny.yaml", "--run-dir", str(tmp_path / where),
-                    check=False)
+    for argv in (("run", "configs/tiny.yaml", "--run-dir"),
+                 ("submit", "configs/tiny.yaml", "--run-dir"),
+                 ("sim", "--preset", "small", "--sweep", "cell_nodes=1,2", "--slurm",
+                  "--slurm-dir")):
+        proc = gyre(*argv, str(tmp_path / where), check=False)
         assert proc.returncode == 2, proc.stderr
         assert message in proc.stderr and "Traceback" not in proc.stderr
     assert (tmp_path / "a_file").read_text() == "mine\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
 
 
-def test_make_run_dir_makes_the_folder_and_its_parents(tmp_path):
-    from gyre_slurm.common.fsio import make_run_dir
+def test_make_folder_makes_the_folder_and_its_parents(tmp_path):
+    from gyre_slurm.common.fsio import make_folder
 
-    made = make_run_dir(tmp_path / "a" / "b")
+    made = make_folder(tmp_path / "a" / "b")
     assert made.is_dir()
-    assert make_run_dir(made) == made  # an existing folder is fine
+    assert make_folder(made) == made  # an existing folder is fine
 
 
 def test_a_config_from_a_pipe_is_read_and_submit_refuses_it(tmp_path):

@@ -205,6 +205,24 @@ def test_missing_run_dir_and_not_started_run(tmp_path):
     assert not (tmp_path / "r.png").exists()
 
 
+def test_report_refuses_an_image_path_it_cannot_write_before_reading_the_run(tmp_path):
+    """`gyre report -o` names a path that is no image, or a folder that cannot be one:
+    exit 2 with what to fix, no traceback, nothing written (the file in the way kept)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (tmp_path / "a_file").write_text("mine\n")
+    for out, message in ((tmp_path / "a_file" / "r.png", "is a file, not a folder"),
+                         (tmp_path / "r.txt", "name the image with one of the suffixes"),
+                         (tmp_path / "a_file", "name the image with one of the suffixes")):
+        proc = gyre("report", str(run), "-o", str(out))
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert (tmp_path / "a_file").read_text() == "mine\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "run"]
+    not_a_dir = gyre("report", str(tmp_path / "a_file"), "-o", str(tmp_path / "r.png"))
+    assert not_a_dir.returncode == 2 and "is a file, not a run dir" in not_a_dir.stderr
+
+
 def test_torn_last_line_and_bad_status_are_tolerated(run_dir):
     tail = model.EventTail(run_dir / "events.jsonl")
     n = len(tail.poll())

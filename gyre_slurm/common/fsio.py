@@ -6,8 +6,9 @@ the target keeps its old content. `append_jsonl`: one line per event, written wi
 single `write` on an O_APPEND descriptor; a line that would follow a torn one (a crash
 cut the previous writer mid-line) starts on a new line, so it stays whole.
 
-`make_run_dir` creates a run's folder or says, as a `UserError`, why it cannot (a file
-in the way, no permission): before a job starts anything.
+`make_folder` creates a folder (a run dir, an output's folder) or says, as a
+`UserError`, why it cannot (a file in the way, no permission): before a job starts
+anything.
 
 `loads_json` is `json.loads` for anything read from outside the process (files on the
 shared filesystem, a model directory, a server's reply): too deep a nesting is a
@@ -257,27 +258,27 @@ class DiskFull(UserError):
             f"({self.fstype}); free space on {self.mount}{after}")
 
 
-def make_run_dir(path: str | Path, *, what: str = "--run-dir") -> Path:
-    """Create the folder `path` (with its parents) for a run, or say why it cannot be,
-    before anything starts: a path that is a file, lies under a file, or cannot be
-    written is the user's to fix, not a traceback from deep in the coordinator."""
+def make_folder(path: str | Path, *, what: str = "--run-dir", purpose: str = "the run") -> Path:
+    """Create the folder `path` (with its parents) for `purpose`, or say why it cannot be
+    (`what` names the option or thing the user gave), before anything starts: a path
+    that is a file, lies under a file, or cannot be written is the user's to fix, not a
+    traceback from deep in the job."""
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
-        raise UserError(f"{what} {path} is a file, not a folder: name a folder for the run "
-                        "(a new one, or a run dir with --resume)") from None
+        raise UserError(f"{what} {path} is a file, not a folder: name a folder for "
+                        f"{purpose}") from None
     except NotADirectoryError:
         raise UserError(f"{what} {path}: a part of that path is a file, not a folder; "
-                        "name a folder for the run") from None
+                        f"name a folder for {purpose}") from None
     except PermissionError:
         raise UserError(f"{what} {path}: permission denied creating it; name a folder you "
-                        "can write (on a cluster, one on the shared filesystem every node "
-                        "sees)") from None
+                        f"can write for {purpose}") from None
     except OSError as e:
         raise UserError(f"{what} {path}: cannot create it ({e.strerror or e}); name a "
-                        "folder you can write") from None
+                        f"folder you can write for {purpose}") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise UserError(f"{what} {path} is not writable by this user; name a folder you "
-                        "can write")
+                        f"can write for {purpose}")
     return path

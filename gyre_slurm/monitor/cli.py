@@ -141,10 +141,18 @@ def keys():
 
 
 def report(args: argparse.Namespace) -> int:
+    from gyre_slurm.common.fsio import make_folder
     from gyre_slurm.monitor.report import write_report
+    from gyre_slurm.sim.report import check_plot_path
 
+    if args.run_dir.exists() and not args.run_dir.is_dir():
+        raise UserError(f"run dir {args.run_dir} is a file, not a run dir")
     if not args.run_dir.is_dir():
         raise UserError(f"run dir {args.run_dir} does not exist")
+    # The image's name and folder before the run dir is read (the folder is made, as
+    # before, where it is missing).
+    check_plot_path(str(make_folder(args.out.parent, what=f"-o {args.out}: its folder",
+                                    purpose="the image") / args.out.name), option="-o")
     write_report(args.run_dir, args.out)
     print(args.out)
     return 0

@@ -34,7 +34,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gyre_slurm.runtime.coordinator import Coordinator
-    from gyre_slurm.common.fsio import make_run_dir
+    from gyre_slurm.common.fsio import make_folder
 
     if args.resume:
         cfg_path = args.run_dir / "config.yaml"
@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{args.run_dir} already holds a run; use --resume to continue "
                             "it, or another --run-dir")
         cfg = load_config(resolve(args.config), args.overrides)
-        make_run_dir(args.run_dir)  # before anything starts
+        make_folder(args.run_dir, purpose="the run (a new one, or a run dir with "
+                    "--resume)")  # before anything starts
     coordinator = Coordinator(cfg, args.run_dir, resume=args.resume)
     prog = os.environ.get("GYRE_PROG") or "gyre"  # tools/gyre names itself
     print(summary.start_text(args.run_dir, prog=prog, resume=args.resume), flush=True)

@@ -34,7 +34,7 @@ import secrets
 import time
 from pathlib import Path
 
-from gyre_slurm.common.fsio import (append_jsonl, make_run_dir, write_bytes_atomic,
+from gyre_slurm.common.fsio import (append_jsonl, make_folder, write_bytes_atomic,
                                    write_json_atomic)
 from gyre_slurm.config.loader import dump_yaml
 from gyre_slurm.config.schema import GyreConfig
@@ -80,7 +80,7 @@ class RunDir:
 
     # -- creation --------------------------------------------------------------------
     def create(self, cfg: GyreConfig) -> None:
-        make_run_dir(self.path, what="the run dir")
+        make_folder(self.path, what="the run dir")
         for sub in ("calls", "runs", "stream", "logs") + PRIVATE_DIRS:
             (self.path / sub).mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(self.path / "config.yaml", dump_yaml(cfg).encode())

@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gyre_slurm.common.fsio import make_folder
 from gyre_slurm.common.yamltext import load_yaml
 from gyre_slurm.errors import UserError
 from gyre_slurm.slurm.submit import (check_slurm_text, sbatch_refusal_is_a_user_error,
@@ -60,6 +61,7 @@ def sweep_on_slurm(path: Path, *, name: str, key: str, values: list[str],
                    overrides: list[str], ablations: bool, folder: Path,
                    slurm_args: list[str] | None = None) -> list[dict]:
     check_slurm_text("--slurm-dir", str(Path(folder).resolve()))
+    make_folder(folder, what="--slurm-dir", purpose="the sweep's scripts, logs and results")
     executor = slurm_executor(Path(folder).resolve(), slurm_parameters(list(slurm_args or [])))
     path = Path(path).resolve()
     n = len(values)

@@ -78,23 +78,23 @@ def _console_for(table):
     return Console(width=Measurement.get(wide, wide.options, table).maximum)
 
 
-def check_plot_path(path: str) -> str:
+def check_plot_path(path: str, *, option: str = "--plot") -> str:
     """The image format `path` names, checked before any simulation: a suffix matplotlib
-    writes, in a folder that exists (else a UserError saying which)."""
+    writes, in a folder that exists (else a UserError saying which, naming `option`)."""
     from matplotlib.figure import Figure
 
     target = Path(path)
     fmt = target.suffix.lstrip(".").lower()
     formats = sorted(Figure().canvas.get_supported_filetypes())
     if fmt not in formats:
-        raise UserError(f"--plot {path}: name the image with one of the suffixes "
+        raise UserError(f"{option} {path}: name the image with one of the suffixes "
                         f"{', '.join('.' + f for f in formats)} (e.g. timelines.png)")
     folder = target.parent
     if not folder.is_dir():
-        raise UserError(f"--plot {path}: the folder {folder} does not exist; create it or "
+        raise UserError(f"{option} {path}: the folder {folder} does not exist; create it or "
                         f"name another")
     if not os.access(folder, os.W_OK):
-        raise UserError(f"--plot {path}: the folder {folder} is not writable")
+        raise UserError(f"{option} {path}: the folder {folder} is not writable")
     return fmt
 
 

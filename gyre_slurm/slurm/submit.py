@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gyre_slurm.common.fsio import loads_json, make_run_dir
+from gyre_slurm.common.fsio import loads_json, make_folder
 from gyre_slurm.config.presets import resolve
 from gyre_slurm.config.schema import load_config
 from gyre_slurm.errors import UserError
@@ -175,8 +175,8 @@ def submit_job(config: str | Path, *, run_dir: str | Path | None = None,
     run_dir = run_dir.resolve()
     if (run_dir / "config.yaml").exists():
         raise UserError(f"{run_dir} already holds a run; choose another --run-dir")
-    make_run_dir(run_dir)
-    make_run_dir(run_dir / "logs", what="the run dir's logs folder")
+    make_folder(run_dir)
+    make_folder(run_dir / "logs", what="the run dir's logs folder")
     params = sbatch_parameters(config=path, run_dir=run_dir, nodes=nodes,
                                time_limit=time_limit, partition=partition,
                                gpus_per_node=gpus_per_node, extra=list(extra or []))
