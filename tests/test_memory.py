@@ -94,6 +94,9 @@ def test_gyre_memory_prints_each_layout_the_world_allows(gyre, tmp_path):
     assert bad.returncode == 2 and "multiple of both" in bad.stderr
     missing = gyre("memory", str(tmp_path / "nope"), check=False)
     assert missing.returncode == 2 and "no config.json" in missing.stderr
+    (tmp_path / "notes.txt").write_text("not json\n")
+    not_json = gyre("memory", str(tmp_path / "notes.txt"), check=False)
+    assert not_json.returncode == 2 and "not a model's config.json" in not_json.stderr
     for flags, message in ((["--gpu-gib", "nan"], "--gpu-gib must be"),
                            (["--gpu-gib", "-1"], "--gpu-gib must be"),
                            (["--ep", "0"], "--ep must be >= 1"),

@@ -80,6 +80,28 @@ def test_missing_input_is_a_user_error(tmp_path, capsys):
     assert "cannot read" in capsys.readouterr().err
 
 
+def test_an_output_or_run_dir_it_cannot_use_is_a_user_error_before_reading(files, tmp_path,
+                                                                            capsys):
+    """-o a folder, or under a file; a run dir that is missing or a file: exit 2 with
+    what to fix, nothing written, the file in the way kept."""
+    calls, _ = files
+    blocker = tmp_path / "a_file"
+    blocker.write_text("mine\n")
+    for argv, message in (
+            (["traj", "build", calls, "-o", str(tmp_path)], "is a folder: name a file"),
+            (["traj", "build", calls, "-o", str(blocker / "o.jsonl")],
+             "is a file, not a folder"),
+            (["traj", "export", str(tmp_path / "nope"), "-o", str(tmp_path / "e.jsonl")],
+             "run dir"),
+            (["traj", "show", str(blocker), "r1"], "is not a folder"),
+            (["traj", "import", calls, str(blocker)], "is a file, not a folder")):
+        assert main(argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    assert blocker.read_text() == "mine\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "calls.jsonl",
+                                                          "runs.jsonl"]
+
+
 def test_import_export_and_build_from_the_store(files, tmp_path, capsys):
     calls, runs = files
     run_dir = tmp_path / "run"

@@ -282,3 +282,14 @@ def make_folder(path: str | Path, *, what: str = "--run-dir", purpose: str = "th
         raise UserError(f"{what} {path} is not writable by this user; name a folder you "
                         f"can write for {purpose}")
     return path
+
+
+def check_output_file(path: str | Path, *, what: str = "-o") -> Path:
+    """A file the command is about to write whole: not a folder, in a folder that is made
+    here (as `make_folder`) or refused with the reason, before any work is done."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{what} {path} is a folder: name a file to write (e.g. "
+                        f"{path / 'out.jsonl'})")
+    make_folder(path.parent, what=f"{what} {path}: its folder", purpose="the output")
+    return path

@@ -43,8 +43,13 @@ def _shape(path: Path):
 
     try:
         if path.is_file():
-            return ModelShape.from_config(loads_json(read_text(path, what=str(path))),
-                                          source=str(path))
+            try:
+                config = loads_json(read_text(path, what=str(path)))
+            except ValueError as exc:
+                raise ValueError(f"{path}: not a model's config.json (not JSON: {exc}); "
+                                 "give a Hugging Face model directory or its config.json") \
+                    from None
+            return ModelShape.from_config(config, source=str(path))
         return ModelShape.from_model_dir(path)
     except ValueError as exc:
         raise UserError(str(exc)) from None

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from gyre_slurm.common.fsio import check_output_file, make_folder
 from gyre_slurm.errors import UserError
 from gyre_slurm.traj.delta import CallDelta, check_run, decode_run
 from gyre_slurm.traj.encode import DeltaEncoder
@@ -163,7 +164,19 @@ def _report(errors: Iterable[RecordError], command: str) -> None:
         print(f"gyre traj {command}: rejected: {err}", file=sys.stderr)
 
 
+def _check_output(path: str) -> None:
+    if path != "-":  # before the calls are read: a path it cannot write fails at once
+        check_output_file(path)
+
+
+def _check_run_dir(path: str) -> None:
+    if not os.path.isdir(path):
+        raise UserError(f"run dir {path} " + ("is not a folder" if os.path.exists(path)
+                                              else "does not exist"))
+
+
 def run_build(args: argparse.Namespace) -> int:
+    _check_output(args.output)
     loaded = load_calls(args.calls, vocab_size=args.vocab_size)
     runs = None
     if args.runs:
@@ -190,6 +203,7 @@ def run_build(args: argparse.Namespace) -> int:
 
 
 def run_show(args: argparse.Namespace) -> int:
+    _check_run_dir(args.run_dir)
     loaded = load_store(args.run_dir)
     deltas = loaded.runs.get(args.run_id)
     if deltas is None:
@@ -226,6 +240,8 @@ def _export_lines(loaded: Loaded[CallDelta], run_dir: str) -> Iterator[str]:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    _check_run_dir(args.run_dir)
+    _check_output(args.output)
     loaded = load_store(args.run_dir)
     atomic_write_lines(args.output, _export_lines(loaded, args.run_dir))
     _report(loaded.errors, "export")
@@ -233,6 +249,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_import(args: argparse.Namespace) -> int:
+    make_folder(args.run_dir, what="run dir", purpose="the call store")  # new or existing
     loaded = collect_calls(_read_lines(args.calls), file=args.calls)
     with CallStoreWriter(args.run_dir, args.writer_id, fsync_interval_s=None) as writer:
         for calls in loaded.runs.values():
