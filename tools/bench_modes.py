@@ -54,7 +54,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gyre_slurm.common.fsio import read_jsonl, write_bytes_atomic, write_json_atomic  # noqa: E402
+from gyre_slurm.common.fsio import (check_output_file, make_folder, read_jsonl,  # noqa: E402
+                                    write_bytes_atomic, write_json_atomic)
 from gyre_slurm.config.loader import apply_overrides, dump_yaml, from_dict, load_yaml_file, to_dict  # noqa: E402
 from gyre_slurm.config.schema import GyreConfig  # noqa: E402
 from gyre_slurm.errors import UserError  # noqa: E402
@@ -72,7 +73,7 @@ def mode_overrides(label: str) -> list[str]:
         return [f"scheduler.policy={label}"]
     if label.startswith("async-") and label[6:].isdigit():
         return ["scheduler.policy=async", f"scheduler.async_rollout_cells={label[6:]}"]
-    raise SystemExit(f"unknown mode {label!r}: elastic, colocate, async or async-R "
+    raise UserError(f"unknown mode {label!r}: elastic, colocate, async or async-R "
                      "(R rollout cells)")
 
 
@@ -456,18 +457,22 @@ def main() -> int:
 
     labels = [m for m in args.modes.split(",") if m]
     labels += [f"async-{r}" for r in args.async_splits.split(",") if r]
-    for label in labels:
-        mode_overrides(label)  # refuse an unknown mode before anything runs
     sets = list(args.set) + ([f"workload.num_steps={args.steps}"] if args.steps else [])
     try:  # every mode's config checked before the first job, not when its turn comes
+        if not labels:
+            raise UserError("--modes names no mode: give e.g. --modes elastic,colocate")
+        for label in labels:
+            mode_overrides(label)  # refuse an unknown mode before anything runs
         base = apply_overrides(load_yaml_file(args.config), sets)
         cfg = from_dict(GyreConfig, base)
         for label in labels:
             mode_config(base, label)
+        make_folder(args.out, what="--out", purpose="the benchmark's runs and results")
+        if args.png is not None:
+            check_output_file(args.png, what="--png", example="bench-modes.png")
     except UserError as exc:
         print(f"bench_modes: error: {exc}", file=sys.stderr)
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
     # SIGTERM (a timeout, a scancel of this tool's own job) unwinds like Ctrl-C: the job
     # under way is cancelled and a cluster this tool started is taken down.
     signal.signal(signal.SIGTERM, _interrupted)

@@ -38,7 +38,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from gyre_slurm.common.fsio import check_output_file, write_bytes_atomic  # noqa: E402
 from gyre_slurm.config.schema import load_config  # noqa: E402
+from gyre_slurm.errors import UserError  # noqa: E402
 from gyre_slurm.sched.policies import named_policy  # noqa: E402
 from gyre_slurm.sim.runner import simulate  # noqa: E402
 from gyre_slurm.sim.workload import sample_workload  # noqa: E402
@@ -104,11 +106,16 @@ def main() -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--jsonl", type=Path)
     a = ap.parse_args()
+    for name, least in (("draws", 1), ("repeats", 0), ("jobs", 1)):
+        if getattr(a, name) < least:
+            raise UserError(f"--{name} must be >= {least}, got {getattr(a, name)}")
+    if a.jsonl is not None:
+        check_output_file(a.jsonl, what="--jsonl")
     jobs = drawn_jobs(a.draws, a.seed)
     with Pool(a.jobs) as pool:
         rows = pool.map(measure, [(j, a.variant) for j in jobs], chunksize=4)
         if a.jsonl:
-            a.jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            write_bytes_atomic(a.jsonl, "".join(json.dumps(r) + "\n" for r in rows).encode())
         ratios = [r["ratio"] for r in rows]
         over = [r for r in rows if r["ratio"] > BEHIND]
         print(f"{len(rows)} jobs (draw {a.seed}): {len(over)} more than 3% behind "
@@ -147,4 +154,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from gyre_slurm.cli import run_tool  # a UserError: one line, exit 2
+
+    run_tool(main)

@@ -284,12 +284,13 @@ def make_folder(path: str | Path, *, what: str = "--run-dir", purpose: str = "th
     return path
 
 
-def check_output_file(path: str | Path, *, what: str = "-o") -> Path:
+def check_output_file(path: str | Path, *, what: str = "-o",
+                      example: str = "out.jsonl") -> Path:
     """A file the command is about to write whole: not a folder, in a folder that is made
     here (as `make_folder`) or refused with the reason, before any work is done."""
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{what} {path} is a folder: name a file to write (e.g. "
-                        f"{path / 'out.jsonl'})")
+                        f"{path / example})")
     make_folder(path.parent, what=f"{what} {path}: its folder", purpose="the output")
     return path
