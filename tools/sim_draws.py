@@ -115,7 +115,8 @@ def main() -> int:
     with Pool(a.jobs) as pool:
         rows = pool.map(measure, [(j, a.variant) for j in jobs], chunksize=4)
         if a.jsonl:
-            write_bytes_atomic(a.jsonl, "".join(json.dumps(r) + "\n" for r in rows).encode())
+            lines = "".join(json.dumps(r) + "\n" for r in rows)
+            write_bytes_atomic(a.jsonl, lines.encode())
         ratios = [r["ratio"] for r in rows]
         over = [r for r in rows if r["ratio"] > BEHIND]
         print(f"{len(rows)} jobs (draw {a.seed}): {len(over)} more than 3% behind "
