@@ -157,6 +157,26 @@ def test_sbatch_script_refuses_in_its_first_step(bad_config, tmp_path):
     assert not (tmp_path / "called").exists()  # no srun step, no scontrol
 
 
+def test_sbatch_script_refuses_a_run_dir_it_cannot_make(tmp_path):
+    """A RUN_DIR under a file: exit 2 naming it, before any step or scontrol; and the
+    script run without Slurm says how to run it."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("mine\n")
+    job_env = _job_env(tmp_path)
+    proc = subprocess.run(["bash", str(ROOT / "sbatch" / "gyre.sbatch"),
+                           str(ROOT / "configs" / "tiny.yaml"), str(blocker / "run")],
+                          env=job_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "cannot make the run dir" in proc.stderr and "nothing was started" in proc.stderr
+    assert blocker.read_text() == "mine\n"
+    assert not (tmp_path / "called").exists()  # no srun step, no scontrol
+    env = {k: v for k, v in job_env.items() if k != "SLURM_JOB_ID"}
+    bare = subprocess.run(["bash", str(ROOT / "sbatch" / "gyre.sbatch"),
+                           str(ROOT / "configs" / "tiny.yaml")], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert bare.returncode != 0 and "runs as a Slurm batch job" in bare.stderr
+
+
 @pytest.mark.slow
 def test_sbatch_job_with_a_bad_config_fails_without_a_step(slurm_cluster, bad_config, tmp_path):
     from test_slurm_e2e import sbatch, wait_done
