@@ -220,6 +220,26 @@ def test_a_run_dir_that_cannot_be_a_folder_is_refused_before_the_job_starts(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
 
 
+def test_a_model_path_the_job_cannot_use_leaves_no_run_behind(gyre, tmp_path):
+    """model.path and the roles' interpreters are checked as the run dir is made, before
+    any process starts; refused, they leave the run dir with its logs only (no
+    config.yaml: the same command, once fixed, is not refused as "already holds a run";
+    under sbatch the job's output stays) and the model dir as it was."""
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen3"}')
+    run_dir = tmp_path / "run"
+    for override, message in ((f"model.path={model}", "no tokenizer"),
+                              (f"model.path={tmp_path / 'nope'}", "no config.json"),
+                              ("rollout.python=/no/such/python", "no such executable")):
+        proc = gyre("run", "configs/tiny.yaml", "--run-dir", str(run_dir), "--set",
+                    override, check=False)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert [p.name for p in run_dir.iterdir()] == ["logs"]  # only the logs stay
+    assert [p.name for p in model.iterdir()] == ["config.json"]
+
+
 def test_make_folder_makes_the_folder_and_its_parents(tmp_path):
     from gyre_slurm.common.fsio import make_folder
 

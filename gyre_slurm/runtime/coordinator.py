@@ -76,6 +76,7 @@ class AgentLost(RuntimeError):
 class Coordinator:
     def __init__(self, cfg: GyreConfig, run_dir: Path, *, resume: bool = False):
         self.cfg, self.rd, self.resume = cfg, RunDir(run_dir), resume
+        self.made_fresh = False  # this job made the run dir's contents (prepare_run_dir)
         self.policy = run_policy(cfg)
         self.launcher = make_launcher(cfg.cluster.launcher, run_dir=self.rd.path,
                                       num_nodes=cfg.cluster.num_nodes,
@@ -135,8 +136,13 @@ class Coordinator:
         start = self.prepare_run_dir()
         self.book.mark_trained_before(start.version)
         # Interpreters of the engine and trainer roles (a role env may be built now):
-        # a missing one is refused before any process starts.
-        await asyncio.to_thread(resolve_roles, self.cfg, self.rd.path)
+        # a missing one is refused before any process starts, leaving no run behind.
+        try:
+            await asyncio.to_thread(resolve_roles, self.cfg, self.rd.path)
+        except UserError:
+            if self.made_fresh:
+                self.rd.clear()
+            raise
         await self.start_services(start)
         freeze_startup_heap()  # torch, transformers, the tokenizer: out of the GC's scans
         self.launcher.start(self.control_url)
@@ -187,6 +193,10 @@ class Coordinator:
             start = checkpoint.load_for_resume(self.rd)
             self._check_weights_file(start.version)
             return start
+        # Fresh: nothing there but the logs the batch script or `gyre submit` made.
+        was_empty = not self.rd.path.exists() or all(
+            p.name == "logs" and p.is_dir() for p in self.rd.path.iterdir())
+        self.made_fresh = was_empty  # what a refusal before the start may clear
         self.rd.create(self.cfg)
         model = self.cfg.model
         if model.path is not None:  # a Hugging Face model dir: linked, not copied
@@ -199,6 +209,11 @@ class Coordinator:
                                          tr.expert_parallel)
                                  if tr.backend == "megatron" else None)
             except ValueError as exc:
+                # A model.path the job cannot use is the user's input, as a bad config
+                # is: it leaves no run behind (a config.yaml here would make the same
+                # command, once fixed, refuse the dir as "already holds a run").
+                if was_empty:
+                    self.rd.clear()
                 raise UserError(str(exc)) from None
             return checkpoint.Resume(0, None)
         tiny.make_model_dir(self.rd.model_dir, hidden_size=model.hidden_size,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import time
 from pathlib import Path
 
@@ -87,6 +88,18 @@ class RunDir:
         if not self.secret_file.exists():
             write_bytes_atomic(self.secret_file, secrets.token_hex(32).encode(), mode=0o600)
         self.make_private()
+
+    def clear(self) -> None:
+        """Remove what a run refused as it was being made left in the run dir, keeping
+        the folder and its logs (the batch job's own output, which says why); links are
+        removed, never followed."""
+        for child in self.path.iterdir():
+            if child.name == "logs":
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
 
     def make_private(self) -> None:
         """Owner-only modes on the secret (0600) and the model's state directories (0700),
