@@ -133,16 +133,18 @@ class Coordinator:
         from gyre_slurm.runtime.gcpolicy import freeze_startup_heap
         from gyre_slurm.runtime.roles import resolve_roles
 
-        start = self.prepare_run_dir()
-        self.book.mark_trained_before(start.version)
-        # Interpreters of the engine and trainer roles (a role env may be built now):
-        # a missing one is refused before any process starts, leaving no run behind.
+        # The run dir, the model, the interpreters of the engine and trainer roles (a
+        # role env may be built now): what the user gave is refused before any process
+        # starts and, in a run dir this job made, leaves no run behind (a config.yaml
+        # would make the same command, once fixed, refuse it as "already holds a run").
         try:
+            start = self.prepare_run_dir()
             await asyncio.to_thread(resolve_roles, self.cfg, self.rd.path)
         except UserError:
             if self.made_fresh:
                 self.rd.clear()
             raise
+        self.book.mark_trained_before(start.version)
         await self.start_services(start)
         freeze_startup_heap()  # torch, transformers, the tokenizer: out of the GC's scans
         self.launcher.start(self.control_url)
@@ -194,9 +196,8 @@ class Coordinator:
             self._check_weights_file(start.version)
             return start
         # Fresh: nothing there but the logs the batch script or `gyre submit` made.
-        was_empty = not self.rd.path.exists() or all(
+        self.made_fresh = not self.rd.path.exists() or all(
             p.name == "logs" and p.is_dir() for p in self.rd.path.iterdir())
-        self.made_fresh = was_empty  # what a refusal before the start may clear
         self.rd.create(self.cfg)
         model = self.cfg.model
         if model.path is not None:  # a Hugging Face model dir: linked, not copied
@@ -209,11 +210,6 @@ class Coordinator:
                                          tr.expert_parallel)
                                  if tr.backend == "megatron" else None)
             except ValueError as exc:
-                # A model.path the job cannot use is the user's input, as a bad config
-                # is: it leaves no run behind (a config.yaml here would make the same
-                # command, once fixed, refuse the dir as "already holds a run").
-                if was_empty:
-                    self.rd.clear()
                 raise UserError(str(exc)) from None
             return checkpoint.Resume(0, None)
         tiny.make_model_dir(self.rd.model_dir, hidden_size=model.hidden_size,
