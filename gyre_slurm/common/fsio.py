@@ -294,3 +294,13 @@ def check_output_file(path: str | Path, *, what: str = "-o",
                         f"{path / example})")
     make_folder(path.parent, what=f"{what} {path}: its folder", purpose="the output")
     return path
+
+
+def existing_run_dir(path: str | Path) -> Path:
+    """A run dir a command reads: it must be a folder that exists (else a UserError
+    saying which of the two it is not)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"run dir {path} is not a folder: it is a file, not a run dir"
+                        if path.exists() else f"run dir {path} does not exist")
+    return path

@@ -22,6 +22,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from gyre_slurm.common.fsio import existing_run_dir
 from gyre_slurm.errors import UserError
 
 
@@ -44,10 +45,7 @@ def resolve_target(target: str) -> Path:
     if not target.strip():
         raise UserError("give a run dir or a Slurm job id (the argument is empty)")
     is_job = target.isascii() and target.isdigit()
-    run_dir = find_run_dir(target) if is_job else Path(target)
-    if not run_dir.is_dir():
-        raise UserError(f"run dir {run_dir} does not exist")
-    return run_dir
+    return existing_run_dir(find_run_dir(target) if is_job else Path(target))
 
 
 def status(args: argparse.Namespace) -> int:
@@ -145,10 +143,7 @@ def report(args: argparse.Namespace) -> int:
     from gyre_slurm.monitor.report import write_report
     from gyre_slurm.sim.report import check_plot_path
 
-    if args.run_dir.exists() and not args.run_dir.is_dir():
-        raise UserError(f"run dir {args.run_dir} is a file, not a run dir")
-    if not args.run_dir.is_dir():
-        raise UserError(f"run dir {args.run_dir} does not exist")
+    existing_run_dir(args.run_dir)
     # The image's name and folder before the run dir is read (the folder is made, as
     # before, where it is missing).
     check_plot_path(str(make_folder(args.out.parent, what=f"-o {args.out}: its folder",

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from gyre_slurm.common.fsio import check_output_file, make_folder
+from gyre_slurm.common.fsio import check_output_file, existing_run_dir, make_folder
 from gyre_slurm.errors import UserError
 from gyre_slurm.traj.delta import CallDelta, check_run, decode_run
 from gyre_slurm.traj.encode import DeltaEncoder
@@ -169,12 +169,6 @@ def _check_output(path: str) -> None:
         check_output_file(path)
 
 
-def _check_run_dir(path: str) -> None:
-    if not os.path.isdir(path):
-        raise UserError(f"run dir {path} " + ("is not a folder" if os.path.exists(path)
-                                              else "does not exist"))
-
-
 def run_build(args: argparse.Namespace) -> int:
     _check_output(args.output)
     loaded = load_calls(args.calls, vocab_size=args.vocab_size)
@@ -203,7 +197,7 @@ def run_build(args: argparse.Namespace) -> int:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    _check_run_dir(args.run_dir)
+    existing_run_dir(args.run_dir)
     loaded = load_store(args.run_dir)
     deltas = loaded.runs.get(args.run_id)
     if deltas is None:
@@ -240,7 +234,7 @@ def _export_lines(loaded: Loaded[CallDelta], run_dir: str) -> Iterator[str]:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    _check_run_dir(args.run_dir)
+    existing_run_dir(args.run_dir)
     _check_output(args.output)
     loaded = load_store(args.run_dir)
     atomic_write_lines(args.output, _export_lines(loaded, args.run_dir))
