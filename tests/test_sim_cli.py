@@ -134,9 +134,12 @@ def test_bad_input_is_a_clear_error(gyre, args, message):
 
 @pytest.mark.parametrize("content, message", [
     (b"\xff\xfe12\n", "not UTF-8 text (byte 0)"),
-    (b"600\n1e10\n", "a duration of 1e+10 s; durations are seconds"),
-    (b"600\nnan\n", "durations must be positive numbers"),
-    (b"600 abc\n", "expected one duration in seconds per line"),
+    (b"600\n1e10\n", "line 2: a duration of 1e+10 s; durations are seconds"),
+    (b"600\nnan\n", "line 2: 'nan': durations must be positive numbers"),
+    (b"# seconds\n600\n\n-5\n", "line 4: '-5': durations must be positive numbers"),
+    (b"600 abc\n", "line 1: 'abc' is not a number; expected one duration in seconds per line"),
+    (b"1,2\n", "line 1: '1,2' is not a number"),
+    (b"# only a comment\n\n", "no durations in it"),
     (None, "not a regular file"),  # a folder
     ("/dev/zero", "not a regular file"),  # a device: reading it would never end
 ])

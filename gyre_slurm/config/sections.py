@@ -133,8 +133,8 @@ class DurationConfig:
     mean_s: float = key(600.0, "mean run duration, seconds (also the forecast's prior)")
     sigma: float = key(0.8, "lognormal: sigma of the underlying normal")
     max_s: float | None = key(None, "the duration distribution's cap: longer runs end there")
-    trace_file: str | None = key(None, "dist trace: one duration in seconds per line "
-                                       "(relative paths: to the config file)")
+    trace_file: str | None = key(None, "dist trace: one duration in seconds per line, # a "
+                                       "comment (relative paths: to the config file)")
 
     def __post_init__(self) -> None:
         _positive("mean_s", self.mean_s)

@@ -1,9 +1,10 @@
 """The duration trace a workload names (`workload.duration.trace_file`): one run's wall
-time in seconds per line. Read by the simulator (to sample durations) and by the elastic
+time in seconds per line (# starts a comment). Read by the simulator (to sample durations) and by the elastic
 policy's forecast (its empirical survival), so it lives beside the config that names it."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -28,19 +29,28 @@ def load_trace(path: str | None, *, base_dir: Path | None = None) -> np.ndarray:
         if size > MAX_TRACE_BYTES:
             raise ConfigError(f"{what}: {size:,} bytes; a trace of one duration per line "
                               f"takes at most {MAX_TRACE_BYTES:,}: sample it down")
-        lines = p.read_bytes().decode("utf-8").split()
+        text = p.read_bytes().decode("utf-8")
     except OSError as exc:
         raise ConfigError(f"{what}: {exc.strerror}") from exc
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{what}: not UTF-8 text (byte {exc.start}); expected one "
                           f"duration in seconds per line") from None
-    try:
-        values = np.array([float(x) for x in lines], dtype=np.float64)
-    except ValueError as exc:
-        raise ConfigError(f"{p}: expected one duration in seconds per line ({exc})") from exc
-    if values.size == 0 or np.any(values <= 0) or not np.all(np.isfinite(values)):
-        raise ConfigError(f"{p}: durations must be positive numbers, at least one")
-    if np.any(values > MAX_DURATION_S):
-        raise ConfigError(f"{p}: a duration of {values.max():.3g} s; durations are seconds, "
-                          f"at most {MAX_DURATION_S:g} (about 32 years): check the unit")
-    return values
+    values = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for word in line.split("#", 1)[0].split():  # "#" starts a comment
+            try:
+                value = float(word)
+            except ValueError:
+                raise ConfigError(f"{p}: line {number}: {word[:40]!r} is not a number; expected "
+                                  f"one duration in seconds per line (# starts a comment)") from None
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{p}: line {number}: {word[:40]!r}: durations must be positive "
+                                  f"numbers of seconds")
+            if value > MAX_DURATION_S:
+                raise ConfigError(f"{p}: line {number}: a duration of {value:.3g} s; durations "
+                                  f"are seconds, at most {MAX_DURATION_S:g} (about 32 years): "
+                                  f"check the unit")
+            values.append(value)
+    if not values:
+        raise ConfigError(f"{p}: no durations in it; expected one duration in seconds per line")
+    return np.asarray(values, dtype=np.float64)
