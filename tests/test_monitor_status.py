@@ -238,6 +238,65 @@ def test_torn_last_line_and_bad_status_are_tolerated(run_dir):
     assert "FAILURES (1):" in proc.stdout  # events are still shown
 
 
+# Events and status.json whose fields are of another type than the coordinator writes (a
+# file edited by hand, another version): each stopped `gyre status` or `gyre report` with
+# a traceback where it read the field.
+MISSHAPEN_EVENTS = [
+    ({"kind": "decision", "t": "1e400"}, "a decision event whose time is not a finite number"),
+    ({"kind": "handoff", "direction": ["a"], "cells": [1]}, "'direction' must be"),
+    ({"kind": "handoff", "direction": "rollout->train", "cells": [1, "x"]},
+     "cells[1] does not fit (a list of cell numbers): 'x'"),
+    ({"kind": "step", "step": "x"}, "'step' must be a step number"),
+    ({"kind": "step", "step": 1, "metrics": {"train/loss": "low"}}, "'metrics' must be"),
+    ({"kind": "microbatch", "tokens": [5]}, "'tokens' must be a number"),
+    ({"kind": 5}, "an event without a kind"),
+]
+
+
+def test_misshapen_events_are_skipped_and_reported(run_dir, tmp_path):
+    lines = [json.dumps({"t": time.time(), **e}) for e, _ in MISSHAPEN_EVENTS]
+    lines[0] = lines[0].replace('"1e400"', "1e400")  # JSON's number that overflows to inf
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write("\n".join(lines) + "\n")
+    append_event(run_dir, AGENT_LOST)  # a good event after them is read
+    proc = gyre("status", str(run_dir), "--once")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "FAILURES (1):" in proc.stdout
+    for _, why in MISSHAPEN_EVENTS:
+        assert why in proc.stderr, why
+    proc = gyre("report", str(run_dir), "-o", str(tmp_path / "r.png"))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    tail = model.EventTail(run_dir / "events.jsonl")
+    assert tail.poll()[-1]["kind"] == "agent_lost"
+    assert [b.reason.split(": b'")[0].endswith(why) or why in b.reason for b, (_, why)
+            in zip(tail.bad, MISSHAPEN_EVENTS)] == [True] * len(MISSHAPEN_EVENTS)
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda d: d["cells"].__setitem__(0, {"id": "a"}), "status.json cells[0] has no 'cell'"),
+    (lambda d: d["cells"][1].__setitem__("nodes", "n1"), "cells[1]: 'nodes' must be"),
+    (lambda d: d.__setitem__("version", "7"), "'version' must be a whole number"),
+    (lambda d: d.__setitem__("waterlevel_history", [{"t": 1.0}, {"t": "x"}]),
+     "waterlevel_history[1] does not fit"),
+    (lambda d: d.__setitem__("rewards", [{"step": 0, "mean_reward": "high"}]),
+     "rewards[0] does not fit"),
+])
+def test_a_status_json_of_another_shape_is_refused_like_a_garbled_one(run_dir, tmp_path,
+                                                                      edit, why):
+    data = json.loads((run_dir / "status.json").read_text())
+    edit(data)
+    (run_dir / "status.json").write_text(json.dumps(data))
+    proc = gyre("status", str(run_dir), "--once")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    said = " ".join((proc.stdout + proc.stderr).split())  # rich wraps the warning's line
+    assert "not the shape gyre writes" in said and why in said, said
+    assert "waiting for status.json" in proc.stdout  # no good status read before this one
+    proc = gyre("status", str(run_dir), "--json")
+    assert proc.returncode == 2 and why in proc.stderr
+    proc = gyre("report", str(run_dir), "-o", str(tmp_path / "r.png"))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+
+
 def check_segments(segs: list, span_s: float) -> None:
     """Each cell's segments run back to back (gaps only where a job stopped)."""
     for cell in {s[0] for s in segs}:

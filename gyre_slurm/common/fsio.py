@@ -139,15 +139,19 @@ class BadLine:
 
 
 def parse_jsonl(data: bytes, *, path: str, start_line: int = 1, start_offset: int = 0,
-                on_bad: Callable[[BadLine], None] | None = None) -> Iterator[dict]:
+                on_bad: Callable[[BadLine], None] | None = None,
+                check: Callable[[dict], str | None] | None = None) -> Iterator[dict]:
     """The JSON objects of `data`'s newline-terminated lines (a trailing fragment is
-    ignored: the caller decides whether it is a torn tail). Bad lines are reported."""
+    ignored: the caller decides whether it is a torn tail). Bad lines are reported, and
+    so are objects that `check` refuses (it returns what is wrong with one, or None)."""
     pos, number = 0, start_line
     while (end := data.find(b"\n", pos)) >= 0:
         raw = data[pos:end]
         try:
             obj = json.loads(raw)
             reason = None if isinstance(obj, dict) else f"not a JSON object: {raw[:60]!r}"
+            if reason is None and check is not None and (why := check(obj)):
+                reason = f"{why}: {raw[:60]!r}"
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
             obj, reason = None, f"corrupt line ({exc}): {raw[:60]!r}"
         if reason is None:
@@ -160,15 +164,16 @@ def parse_jsonl(data: bytes, *, path: str, start_line: int = 1, start_offset: in
         pos, number = end + 1, number + 1
 
 
-def read_jsonl(path: str | Path, *,
-               on_bad: Callable[[BadLine], None] | None = None) -> Iterator[dict]:
+def read_jsonl(path: str | Path, *, on_bad: Callable[[BadLine], None] | None = None,
+               check: Callable[[dict], str | None] | None = None) -> Iterator[dict]:
     """Whole lines only: a torn last line (no newline) is skipped quietly; a corrupt
-    line before it is skipped and reported (see the module docstring)."""
+    line before it (or an object `check` refuses) is skipped and reported (see the
+    module docstring)."""
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
         return
-    yield from parse_jsonl(data, path=str(path), on_bad=on_bad)
+    yield from parse_jsonl(data, path=str(path), on_bad=on_bad, check=check)
     tail = data[data.rfind(b"\n") + 1:]
     if tail:
         log.debug("%s: torn last line at byte offset %d (%d bytes) skipped", path,

@@ -1,6 +1,7 @@
 """The duration trace a workload names (`workload.duration.trace_file`): one run's wall
-time in seconds per line (# starts a comment). Read by the simulator (to sample durations) and by the elastic
-policy's forecast (its empirical survival), so it lives beside the config that names it."""
+time in seconds per line (# starts a comment). Read by the simulator (to sample
+durations) and by the elastic policy's forecast (its empirical survival), so it lives
+beside the config that names it."""
 
 from __future__ import annotations
 
@@ -41,8 +42,9 @@ def load_trace(path: str | None, *, base_dir: Path | None = None) -> np.ndarray:
             try:
                 value = float(word)
             except ValueError:
-                raise ConfigError(f"{p}: line {number}: {word[:40]!r} is not a number; expected "
-                                  f"one duration in seconds per line (# starts a comment)") from None
+                raise ConfigError(f"{p}: line {number}: {word[:40]!r} is not a number; "
+                                  f"expected one duration in seconds per line (# starts a "
+                                  f"comment)") from None
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{p}: line {number}: {word[:40]!r}: durations must be positive "
                                   f"numbers of seconds")

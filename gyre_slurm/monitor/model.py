@@ -4,10 +4,15 @@ Inputs (written by the coordinator, see gyre_slurm/runtime/rundir.py):
   status.json   rewritten atomically ~1/s; may be missing (job not started): then
                 `status` is None. If it cannot be read or parsed (garbled), the monitor
                 never crashes: `StatusReader` keeps the last good status (or None) and
-                `Snapshot.status_error` says what is wrong (path, line/column or size).
+                `Snapshot.status_error` says what is wrong (path, line/column or size);
+                the same for one whose fields are not of the types gyre writes
+                (`status_error`: the first field that does not fit).
   events.jsonl  append-only; each line {"t": unix time, "kind": ...}. A torn last line is
                 skipped (it is read again once complete); a corrupt line before it is
-                skipped and reported in `Snapshot.problems` (path, line, byte offset).
+                skipped and reported in `Snapshot.problems` (path, line, byte offset),
+                and so is an event whose fields are not of the types gyre writes
+                (`event_error`: no kind, a time that is not a finite number, a
+                handoff's cells that are not cell numbers, ...).
                 Run dirs written before decisions carried unix `t` (they had seconds
                 since the coordinator's start) are still read: `to_unix` maps those
                 with t0 = status.t - status.elapsed_s (or the `finish` event's t -
@@ -39,7 +44,9 @@ Derived figures (all from events unless said otherwise):
 from __future__ import annotations
 
 import json
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +55,114 @@ from gyre_slurm.errors import UserError
 
 FAILURE_KINDS = ("agent_lost", "handoff_failed")
 WINDOW_S = 60.0
+
+
+# -- the shapes the monitor reads ----------------------------------------------------------
+# The coordinator writes both files; a field of another type (a file edited by hand, or
+# written by another version) would stop `gyre status` and `gyre report` with a
+# traceback where they read it. Each check names the first field that does not fit: an
+# event is then skipped and reported like a corrupt line, a status.json is treated like
+# a garbled one (the last good status is kept).
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _list_of(check):
+    def whole(v) -> bool:
+        return isinstance(v, list) and all(check(x) for x in v)
+    whole.item = check  # `_fields_error` names the first item that does not fit
+    return whole
+
+
+def _opt(check):
+    return lambda v: v is None or check(v)
+
+
+def _str(v) -> bool:
+    return isinstance(v, str)
+
+
+def _metric(v) -> bool:  # a step's training signal: a number (NaN: a diverged loss), or a table
+    return v is None or isinstance(v, (dict, float)) or _count(v)
+
+
+# kind -> {field: (required, check, what it must be)}; every event has a kind and a time
+EVENT_FIELDS: dict[str, dict[str, tuple[bool, Callable, str]]] = {
+    "layout": {"roles": (True, _list_of(_str), "a list of role names")},
+    "handoff": {"direction": (True, lambda v: isinstance(v, str) and "->" in v,
+                              "'<from>-><to>'"),
+                "cells": (True, _list_of(_count), "a list of cell numbers"),
+                "total_s": (False, _number, "seconds"), "drain_s": (False, _number, "seconds")},
+    "handoff_cancelled": {"drain_s": (False, _number, "seconds")},
+    "step": {"step": (True, _count, "a step number"),
+             "mean_reward": (False, _number, "a number"), "seconds": (False, _number, "seconds"),
+             "trajectories": (False, _number, "a number"), "tokens": (False, _number, "a number"),
+             "metrics": (False, lambda v: isinstance(v, dict) and all(
+                 _metric(x) for x in v.values()), "an object of numbers")},
+    "microbatch": {"tokens": (False, _number, "a number"), "seconds": (False, _number, "seconds")},
+    "run_end": {"status": (False, _opt(_str), "a string")},
+    "finish": {"wall_s": (False, _number, "seconds")},
+}
+
+
+def _fields_error(obj: dict, fields: dict, where: str) -> str | None:
+    for name, (required, check, what) in fields.items():
+        if name not in obj:
+            if required:
+                return f"{where} has no {name!r}"
+        elif not check(obj[name]):
+            value, item = obj[name], getattr(check, "item", None)
+            if item is not None and isinstance(value, list):
+                i = next(i for i, x in enumerate(value) if not item(x))
+                return f"{where}: {name}[{i}] does not fit ({what}): {value[i]!r:.60}"
+            return f"{where}: {name!r} must be {what}, got {value!r:.40}"
+    return None
+
+
+def event_error(e: dict) -> str | None:
+    """What is wrong with an event for the monitor, or None."""
+    if not isinstance(e.get("kind"), str):
+        return "an event without a kind"
+    if not _number(e.get("t")):
+        return f"a {e['kind']} event whose time is not a finite number"
+    return _fields_error(e, EVENT_FIELDS.get(e["kind"], {}), f"a {e['kind']} event")
+
+
+_SAMPLE = lambda v: isinstance(v, dict) and all(  # noqa: E731 (a waterlevel sample)
+    _number(x) for k, x in v.items() if k in ("t", "waterlevel", "in_flight", "queued",
+                                               "rollout_cells", "train_cells"))
+STATUS_FIELDS: dict[str, tuple[bool, Callable, str]] = {
+    "t": (False, _number, "a time"), "elapsed_s": (False, _number, "seconds"),
+    "final": (False, lambda v: isinstance(v, bool), "true or false"),
+    "policy": (False, _str, "a string"), "version": (False, _count, "a whole number"),
+    "num_steps": (False, _opt(_count), "a whole number"),
+    "cells": (False, lambda v: isinstance(v, list) and all(isinstance(c, dict) for c in v),
+              "a list of cells"),
+    "runs": (False, lambda v: isinstance(v, dict), "an object"),
+    "train": (False, lambda v: isinstance(v, dict), "an object"),
+    "rewards": (False, _list_of(lambda r: isinstance(r, dict) and _count(r.get("step")) and (
+        isinstance(r.get("mean_reward"), float) or _count(r.get("mean_reward")))),
+        "a list of {step, mean_reward}"),
+    "waterlevel": (False, _opt(_SAMPLE), "a waterlevel sample"),
+    "waterlevel_history": (False, _list_of(_SAMPLE), "a list of waterlevel samples"),
+}
+CELL_FIELDS: dict[str, tuple[bool, Callable, str]] = {
+    "cell": (True, _count, "a cell number"), "nodes": (False, _list_of(_str), "a list of names"),
+    "role": (False, _str, "a role name"), "target": (False, _opt(_str), "a role name"),
+    "runs": (False, _count, "a whole number"),
+}
+
+
+def status_error(data: dict) -> str | None:
+    """What is wrong with status.json for the monitor, or None."""
+    why = _fields_error(data, STATUS_FIELDS, "status.json")
+    for i, c in enumerate(data.get("cells") or []):
+        why = why or _fields_error(c, CELL_FIELDS, f"status.json cells[{i}]")
+    return why
 
 
 class EventTail:
@@ -71,10 +186,9 @@ class EventTail:
         end = data.rfind(b"\n")
         if end < 0:
             return self.events
-        for event in parse_jsonl(data[:end + 1], path=str(self.path), start_line=self.line,
-                                 start_offset=self.offset, on_bad=self.bad.append):
-            if "kind" in event and isinstance(event.get("t"), (int, float)):
-                self.events.append(event)
+        self.events += parse_jsonl(data[:end + 1], path=str(self.path), start_line=self.line,
+                                   start_offset=self.offset, on_bad=self.bad.append,
+                                   check=event_error)
         self.line += data.count(b"\n", 0, end + 1)
         self.offset += end + 1
         return self.events
@@ -96,6 +210,8 @@ def read_status_checked(run_dir: Path) -> tuple[dict | None, str | None]:
         return None, f"{path}: garbled ({len(raw)} bytes): {exc}"
     if not isinstance(data, dict):
         return None, f"{path}: not a JSON object ({type(data).__name__})"
+    if why := status_error(data):
+        return None, f"{path}: not the shape gyre writes ({why})"
     return data, None
 
 

@@ -14,7 +14,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
 
-from gyre_slurm.common.fsio import loads_json, read_jsonl
+from gyre_slurm.common.fsio import read_jsonl
+from gyre_slurm.monitor.model import event_error, read_status_checked
 
 REWARD_STEPS = 5  # the reward "at the start" and "at the end": mean of this many steps
 
@@ -59,12 +60,9 @@ def summarize(events: Iterable[dict], runs: Iterable[dict], status: dict) -> dic
 
 def end_text(run_dir: Path, *, outcome: str, prog: str = "gyre") -> str:
     run_dir = Path(run_dir)
-    try:
-        status = loads_json((run_dir / "status.json").read_text())
-    except (OSError, ValueError):
-        status = {}
-    s = summarize(read_jsonl(run_dir / "events.jsonl"),
-                  read_jsonl(run_dir / "runs" / "runs.jsonl"), status)
+    status = read_status_checked(run_dir)[0] or {}  # missing, garbled or misshapen: {}
+    s = summarize(read_jsonl(run_dir / "events.jsonl", check=event_error),
+                  read_jsonl(run_dir / "runs" / "runs.jsonl", check=_run_record_error), status)
     runs = s["runs"]
     others = ", ".join(f"{n} {k}" for k, n in sorted(runs.items()) if k not in ("ok", "failed"))
     wall = f"{s['wall_s']:.0f} s" if s["wall_s"] is not None else "?"
@@ -83,6 +81,12 @@ def end_text(run_dir: Path, *, outcome: str, prog: str = "gyre") -> str:
         f"  run dir  {run_dir}",
         f"  report   {prog} report {run_dir} -o {report}",
     ])
+
+
+def _run_record_error(r: dict) -> str | None:
+    if isinstance(r.get("status", "?"), str):
+        return None
+    return "a run record whose status is not a string"
 
 
 def _number(x: Any) -> bool:

@@ -12,6 +12,8 @@ latest events with their reasons.
 
 from __future__ import annotations
 
+import math
+
 
 from rich.console import Group
 from rich.progress_bar import ProgressBar
@@ -38,6 +40,7 @@ def sparkline(values: list[float], *, width: int = 60) -> str:
     values = values[-width:]
     if not values:
         return ""
+    values = [v if math.isfinite(v) else 0.0 for v in values]  # a diverged step: NaN
     top = max(values) or 1.0
     return "".join(SPARK[min(len(SPARK) - 1, int(v / top * (len(SPARK) - 1) + 0.5))]
                    for v in values)
