@@ -5,6 +5,7 @@ GYRE_EXAMPLE_RUN_DIR names."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -250,6 +251,7 @@ MISSHAPEN_EVENTS = [
     ({"kind": "step", "step": 1, "metrics": {"train/loss": "low"}}, "'metrics' must be"),
     ({"kind": "microbatch", "tokens": [5]}, "'tokens' must be a number"),
     ({"kind": 5}, "an event without a kind"),
+    ({"kind": "step", "step": 2, "mean_reward": {"a": 1}}, "'mean_reward' must be a number"),
 ]
 
 
@@ -258,16 +260,20 @@ def test_misshapen_events_are_skipped_and_reported(run_dir, tmp_path):
     lines[0] = lines[0].replace('"1e400"', "1e400")  # JSON's number that overflows to inf
     with open(run_dir / "events.jsonl", "a") as f:
         f.write("\n".join(lines) + "\n")
-    append_event(run_dir, AGENT_LOST)  # a good event after them is read
+    append_event(run_dir, AGENT_LOST)  # good events after them are read
+    append_event(run_dir, {"kind": "step", "step": 99, "mean_reward": math.nan, "metrics": {
+        "train/loss": math.nan, "mismatch/abs_mean": math.nan}})  # a diverged step
     proc = gyre("status", str(run_dir), "--once")
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
-    assert "FAILURES (1):" in proc.stdout
+    assert "FAILURES (1):" in proc.stdout and "training (step 99): loss nan" in proc.stdout
     for _, why in MISSHAPEN_EVENTS:
         assert why in proc.stderr, why
     proc = gyre("report", str(run_dir), "-o", str(tmp_path / "r.png"))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     tail = model.EventTail(run_dir / "events.jsonl")
-    assert tail.poll()[-1]["kind"] == "agent_lost"
+    assert [e["kind"] for e in tail.poll()[-2:]] == ["agent_lost", "step"]
+    assert model.event_error({"kind": "step", "t": 1.0, "step": 3, "mean_reward": math.nan,
+                              "metrics": {"train/loss": math.nan}}) is None  # diverged: shown
     assert [b.reason.split(": b'")[0].endswith(why) or why in b.reason for b, (_, why)
             in zip(tail.bad, MISSHAPEN_EVENTS)] == [True] * len(MISSHAPEN_EVENTS)
 

@@ -86,8 +86,12 @@ def _str(v) -> bool:
     return isinstance(v, str)
 
 
-def _metric(v) -> bool:  # a step's training signal: a number (NaN: a diverged loss), or a table
-    return v is None or isinstance(v, (dict, float)) or _count(v)
+def _real(v) -> bool:  # a number, NaN included (a diverged loss, no reward to average)
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _metric(v) -> bool:  # a step's training signal: a number or a table (lags)
+    return v is None or isinstance(v, dict) or _real(v)
 
 
 # kind -> {field: (required, check, what it must be)}; every event has a kind and a time
@@ -99,7 +103,7 @@ EVENT_FIELDS: dict[str, dict[str, tuple[bool, Callable, str]]] = {
                 "total_s": (False, _number, "seconds"), "drain_s": (False, _number, "seconds")},
     "handoff_cancelled": {"drain_s": (False, _number, "seconds")},
     "step": {"step": (True, _count, "a step number"),
-             "mean_reward": (False, _number, "a number"), "seconds": (False, _number, "seconds"),
+             "mean_reward": (False, _real, "a number"), "seconds": (False, _number, "seconds"),
              "trajectories": (False, _number, "a number"), "tokens": (False, _number, "a number"),
              "metrics": (False, lambda v: isinstance(v, dict) and all(
                  _metric(x) for x in v.values()), "an object of numbers")},
