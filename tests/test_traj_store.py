@@ -163,6 +163,8 @@ BAD_LINES = [
      "output_ids[1] = 70000 is out of vocab (size 50000)"),
     ({"prompt_ids": [1001, 1.5]}, "prompt_ids must be a list of integers"),
     ({"output_logprobs": [float("nan")]}, "output_logprobs must be a list of finite numbers"),
+    ({"output_logprobs": [0.5]}, "output_logprobs[0] = 0.5 is above 0: a log-probability is "
+                                 "at most 0 (the sampler's log p of the token it drew)"),
     ({"policy_version": -1}, "policy_version must be an integer from 0 to 9223372036854775807"),
     ({"call": "4"}, "call must be an integer from 0 to 2147483647"),
 ]

@@ -161,6 +161,9 @@ def check_ids(arr: np.ndarray, *, name: str, vocab_size: int | None = None) -> N
         raise ValueError(f"{name}[{pos}] = {int(arr[pos])} is out of vocab (size {limit})")
 
 
+LOGPROB_SLACK = 1e-3  # float rounding of a token drawn with probability 1 (log p = 0)
+
+
 def logprob_array(values: Any, *, name: str) -> np.ndarray:
     if not isinstance(values, (list, tuple, np.ndarray)):
         raise ValueError(f"{name} must be a list of numbers")
@@ -173,6 +176,10 @@ def logprob_array(values: Any, *, name: str) -> np.ndarray:
         raise ValueError(f"{name} must be a list of numbers") from None
     if arr.ndim != 1 or not np.all(np.isfinite(arr)):
         raise ValueError(f"{name} must be a list of finite numbers")
+    if arr.max() > LOGPROB_SLACK:  # the importance ratio would divide by a probability > 1
+        pos = int(np.argmax(arr > LOGPROB_SLACK))
+        raise ValueError(f"{name}[{pos}] = {float(arr[pos]):g} is above 0: a log-probability "
+                         f"is at most 0 (the sampler's log p of the token it drew)")
     return arr
 
 
