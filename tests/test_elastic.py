@@ -347,3 +347,29 @@ def test_a_migrate_drain_short_of_free_slots_waits_for_runs_to_end_and_is_tried(
     assert p.slot_wait_s(dataclasses.replace(base, runs_queued=4), leaving) > short
     families = p.candidates(base, p.outlook(base))  # 2 free slots for 6 runs or more
     assert any(plan.drain == "migrate" for family in families for plan in family), families
+
+
+def test_tokens_of_open_groups_train_only_once_their_groups_close():
+    """Finished runs whose groups still have runs in flight (`train_waiting_tokens` of
+    the step being trained) wait for those runs: the group baseline needs every reward.
+    The outlook took them as trainable at once, so on the real-run benchmark a reclaim
+    expected step 6 trained at 309.4 s, and 8 s later, no group having closed, the same
+    layout was expected at 317.5 s: the next plan undid the move (a swap, session 44).
+    Here 8 runs of step 2 are in flight, 2 in each of its 4 open groups (groups of 4),
+    whose other 8 runs have finished (160,000 tokens). With those tokens ready, one
+    training cell at 100 tokens/s starts now and is busy to the end (320,000 tokens:
+    4,200 s); waiting, it starts only once a group has closed, two runs 300 s into
+    lognormal(600 s, 0.5) having ended; with fast training the last group bounds both."""
+    from gyre_slurm.sched.elastic import Plan
+
+    def step_trained(cell_tps, **tokens):
+        o = observe([R, R, T], [4, 4, 0], version=2, steps=[2] * 8, elapsed=[300.0] * 8,
+                    cell_tps=cell_tps, queued=16, **tokens)  # step 3's runs: queued
+        p = policy()
+        return p.evaluate(p.outlook(o), o, Plan("stay", [])).train_end[0]
+
+    ready = step_trained(100.0, ready=160_000.0)
+    assert ready == pytest.approx(1000.0 + 320_000 / 100.0)
+    assert step_trained(100.0, waiting=160_000.0) > ready + 60.0
+    assert step_trained(3000.0, waiting=160_000.0) == pytest.approx(
+        step_trained(3000.0, ready=160_000.0))

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from gyre_slurm.common.fsio import read_jsonl
+from gyre_slurm.sched.types import Observation
 from runtime_checks import check_run_dir, trained_trajectories
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,6 +152,13 @@ def test_elastic_moves_cells_both_ways(tmp_path):
     assert directions["rollout->train"] >= 1 and directions["train->rollout"] >= 1, directions
     decisions = [e for e in events if e["kind"] == "decision"]
     assert decisions and all(d["reason"] for d in decisions)
+    # The first decision of each tick says what the policy saw: the observation itself,
+    # which reads back (a decision can be replayed offline against it).
+    seen = [Observation.from_record(d["observed"]) for d in decisions if "observed" in d]
+    assert seen and len(seen) <= len(decisions)
+    for d, obs in zip([d for d in decisions if "observed" in d], seen):
+        assert obs.now_s == pytest.approx(d["t_run_s"], abs=1.0)
+        assert len(obs.cells) == 4 and len(obs.run_elapsed_s) == obs.runs_in_flight
 
 
 # configs/bench-modes-phases.yaml in small: training-bound steps, then runs ten times

@@ -331,15 +331,18 @@ class Coordinator:
     async def policy_loop(self) -> None:
         while not self.book.done():
             self.rollouts.fill(self.capacity())
-            decisions = self.carried(self.policy.decide(self.observe()))
+            obs = self.observe()
+            decisions = self.carried(self.policy.decide(obs), obs)
             if decisions:
                 self.handoffs.start(decisions)
             await asyncio.sleep(self.cfg.scheduler.interval_s)
 
-    def carried(self, decisions) -> list:
+    def carried(self, decisions, obs: Observation | None = None) -> list:
         """The decisions the handoffs carry out now, each logged (`decision`); the others
         are logged as `decision_dropped` with the reason, once per cell until its next
-        carried decision or a different refusal (the policy repeats them every tick)."""
+        carried decision or a different refusal (the policy repeats them every tick).
+        The first carried decision of a tick also logs what the policy saw (`observed`:
+        `Observation.as_record`)."""
         out = []
         for d in decisions:
             why = self.handoffs.refusal(d)
@@ -347,6 +350,8 @@ class Coordinator:
             fields.pop("kind")
             fields["t_run_s"] = fields.pop("t")  # seconds into this coordinator's life
             if why is None:
+                if obs is not None and not out:
+                    fields["observed"] = obs.as_record()
                 self.dropped.pop(d.cell_id, None)
                 self.rd.event("decision", **fields)
                 out.append(d)

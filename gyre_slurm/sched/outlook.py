@@ -107,6 +107,10 @@ class StepOutlook:
     tokens: float  # tokens left to train in this step
     group_tokens: float  # tokens of one group (the last one trains after its last run)
     run_tokens: float = 0.0  # tokens of one of its runs not finished yet
+    # Tokens of its finished runs whose groups are still open (the step being trained):
+    # trainable only when their groups' last runs end, so they arrive with the runs
+    # still to end, not now.
+    waiting_tokens: float = 0.0
     model: DurationModel | None = None  # durations of its new runs
     alive_xs: np.ndarray | None = None  # its runs in flight: expected number still
     alive: np.ndarray | None = None  # running at now + x (reference seconds)
@@ -336,18 +340,31 @@ def _streamed_end(outlook: "Outlook", s: StepOutlook, train: Capacity, prev_te: 
                   end: float) -> float:
     """When step k is trained, streaming: no sooner than its tokens arrive. A group's
     tokens arrive when its last run ends (the group baseline needs every reward): runs in
-    flight count one by one (their groups are not known), new runs by groups of the step,
-    started with their cohorts. At each level q of the step's tokens arrived, the rest
-    trains after that time; nothing trains before its first group has ended."""
+    flight one by one, or, where finished runs of the step wait in open groups
+    (`waiting_tokens`), with those tokens by groups of the runs in flight spread evenly
+    over the open groups (their groups are not observed); new runs by groups of the
+    step, started with their cohorts. At each level q of the step's tokens arrived, the
+    rest trains after that time; nothing trains before its first group has ended."""
     now = outlook.now_s
-    todo = (s.inflight + s.new_runs) * s.run_tokens
+    per_run = s.run_tokens
+    todo = (s.inflight + s.new_runs) * per_run + s.waiting_tokens
     t = train.solve(max(prev_te, now), s.tokens)
     if todo <= 0 or not now < end < math.inf:
         return max(t, train.solve(max(prev_te, end), min(s.group_tokens, s.tokens)))
     ts = linspace(now, end, 24)
     arrived = np.zeros_like(ts)
     if s.inflight:
-        arrived += (s.inflight - occupancy(outlook, ts, step=s.step, new=False)) * s.run_tokens
+        ended = 1.0 - occupancy(outlook, ts, step=s.step, new=False) / s.inflight
+        if s.waiting_tokens > 0:
+            # The open groups: their finished runs' tokens and those in flight arrive when
+            # a group's last run ends; m of a group's runs in flight have all ended
+            # with probability ended^m (the in-flight runs spread evenly over the groups).
+            open_runs = s.inflight + s.waiting_tokens / max(per_run, 1e-9)
+            size = max(1.0, s.group_tokens / max(per_run, 1e-9))
+            m = max(1.0, s.inflight / max(1.0, open_runs / size))
+            arrived += open_runs * per_run * np.clip(ended, 0.0, 1.0) ** m
+        else:
+            arrived += s.inflight * per_run * ended
     cohorts = [c for c in getattr(outlook, "cohorts", ()) if c[0] == s.step]
     if cohorts and s.model is not None:
         # A cohort's runs start together: a group of g of them has ended with prob F^g.
@@ -358,10 +375,10 @@ def _streamed_end(outlook: "Outlook", s: StepOutlook, train: Capacity, prev_te: 
                 _, start, count, model, speed = last = cohort
                 age = np.maximum(ts - start, 0.0) * speed
                 ended = np.where(ts > start, 1.0 - model.sf(age), 0.0) ** g
-                term = count * ended * s.run_tokens
+                term = count * ended * per_run
             arrived += term
     arrived = np.maximum.accumulate(arrived)
-    first = min(todo, s.group_tokens if cohorts else s.run_tokens)
+    first = min(todo, s.group_tokens if cohorts else per_run)
     levels = np.concatenate(([first / todo], LEVELS))
     at = np.interp(levels * arrived[-1], arrived, ts)
     for i, (level, when) in enumerate(zip(levels.tolist(), at.tolist())):  # as floats
@@ -553,8 +570,9 @@ def build_outlook(obs: Observation, p: WorkloadPrior, *, horizon_steps: int,
             group_tokens=max(1, p.group_size) * tok, run_tokens=tok, model=model,
             alive_xs=curve[0], alive=curve[1]))
     if steps:  # step v: what is ready or finished but not trainable is its own
-        extra = obs.train_ready_tokens + max(0.0, obs.train_waiting_tokens - finished_later)
-        steps[0] = dataclasses.replace(steps[0], tokens=steps[0].tokens + extra)
+        waiting = max(0.0, obs.train_waiting_tokens - finished_later)
+        steps[0] = dataclasses.replace(steps[0], waiting_tokens=waiting,
+                                       tokens=steps[0].tokens + obs.train_ready_tokens + waiting)
     return Outlook(now_s=obs.now_s, steps=steps, staleness=p.staleness,
                    streaming=streaming, cap=obs.cell_capacity,
                    optimizer_step_s=p.optimizer_step_s, speed=p.speed,

@@ -57,11 +57,39 @@ class Observation:
     # a cell leaves at its next call, so a migrate drain lasts its runs' longest wait.
     call_interval_s: float = 0.0
 
+    def as_record(self) -> dict:
+        """What the policy saw, for the decision log (`observed`, on the first decision
+        a tick carries out): JSON numbers and lists; `from_record` reads it back, so a
+        decision can be replayed offline against the same observation."""
+        rec = {k: getattr(self, k) for k in SCALARS}
+        rec = {k: v.item() if isinstance(v, np.generic) else v for k, v in rec.items()}
+        rec["cells"] = [[c.cell_id, c.role.value, c.target.value if c.target else None,
+                         c.standalone, c.active_runs, round(c.since_s, 3)] for c in self.cells]
+        rec["run_elapsed_s"] = [round(float(x), 3) for x in self.run_elapsed_s]
+        rec["run_steps"] = None if self.run_steps is None else [int(x) for x in self.run_steps]
+        return rec
+
+    @classmethod
+    def from_record(cls, rec: dict) -> "Observation":
+        cells = tuple(CellObs(i, Role(role), Role(target) if target else None, standalone,
+                              runs, since) for i, role, target, standalone, runs, since
+                      in rec["cells"])
+        steps = rec.get("run_steps")
+        return cls(cells=cells, run_elapsed_s=np.asarray(rec["run_elapsed_s"], dtype=float),
+                   run_steps=None if steps is None else np.asarray(steps, dtype=np.int64),
+                   **{k: rec[k] for k in SCALARS})
+
     def count(self, role: Role, *, target: Role | None = None) -> int:
         return sum(1 for c in self.cells if c.role is role and (target is None or c.target is target))
 
     def heading_to(self, role: Role) -> list[CellObs]:
         return [c for c in self.cells if c.heading is role]
+
+
+SCALARS = ("now_s", "cell_capacity", "runs_in_flight", "runs_queued", "runs_future",
+           "train_ready_tokens", "train_waiting_tokens", "train_tokens_per_cell_s",
+           "min_train_cells", "tokens_per_run", "policy_version", "steps_done", "num_steps",
+           "handoff_to_train_s", "handoff_to_rollout_s", "step_runs_left", "call_interval_s")
 
 
 @dataclass(frozen=True)
