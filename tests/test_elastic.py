@@ -1,9 +1,12 @@
 """The elastic policy's outlook: moves that pay over the steps ahead, the drain the
 outlook prefers, and the decision log. Hand-made observations and short simulations."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
+from gyre_slurm.config.presets import preset_path
 from gyre_slurm.config.schema import SchedulerConfig, load_config
 from gyre_slurm.sched.baselines import AsyncPolicy
 from gyre_slurm.sched.cells import Role
@@ -13,6 +16,7 @@ from gyre_slurm.sched.survival import longest_of, residual_tail
 from gyre_slurm.sched.policies import feasible_async_splits, named_policy
 from gyre_slurm.sched.types import CellObs, Observation
 from gyre_slurm.sched.waterlevel import DurationModel, StepDurations
+from gyre_slurm.sim.engine import Simulator
 from gyre_slurm.sim.runner import simulate
 from gyre_slurm.sim.workload import sample_workload
 
@@ -373,3 +377,36 @@ def test_tokens_of_open_groups_train_only_once_their_groups_close():
     assert step_trained(100.0, waiting=160_000.0) > ready + 60.0
     assert step_trained(3000.0, waiting=160_000.0) == pytest.approx(
         step_trained(3000.0, ready=160_000.0))
+
+
+def test_the_handoff_costs_told_are_measured_once_a_cell_has_moved():
+    """`HandoffTimes`: the config's costs until a cell has moved that way, then the median
+    of the last 10 transits; the simulator tells its policy the same way (the prior it
+    is given, then what it charged), as the coordinator does with what it measured."""
+    from gyre_slurm.config.schema import HandoffConfig
+    from gyre_slurm.sched.observe import HandoffTimes
+
+    prior = HandoffConfig()
+    times = HandoffTimes()
+    assert times.costs(prior) == (prior.to_train_s, prior.to_rollout_s)
+    for s in (3.0, 9.0, 4.0):
+        times.add("rollout", s)
+    times.add("rollout", float("nan"))  # not a measure
+    assert times.costs(prior) == (prior.to_train_s, 4.0)
+    for s in range(20):
+        times.add("train", float(s))
+    assert times.costs(prior) == (14.5, 4.0)  # the last 10: 10..19
+
+    cfg = load_config(preset_path("small"), [])
+    told = dataclasses.replace(cfg.handoff, engine_start_s=cfg.handoff.engine_start_s * 10)
+    seen = []
+    policy_ = named_policy(cfg, "elastic")
+    decide = policy_.decide
+    policy_.decide = lambda obs: (seen.append((obs.handoff_to_train_s,
+                                               obs.handoff_to_rollout_s)), decide(obs))[1]
+    result = Simulator(cfg, policy_, sample_workload(cfg), policy_handoff=told).run()
+    assert result.handoffs and seen[0] == (told.to_train_s, told.to_rollout_s)
+    charged = {(cfg.handoff.to_train_s, told.to_rollout_s),
+               (told.to_train_s, cfg.handoff.to_rollout_s),
+               (cfg.handoff.to_train_s, cfg.handoff.to_rollout_s)}
+    assert set(seen[1:]) <= charged | {seen[0]} and seen[-1] in charged

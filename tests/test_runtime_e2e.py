@@ -8,6 +8,7 @@ store, stream/ micro-batches, events.jsonl), not from the coordinator's counters
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from gyre_slurm.common.fsio import read_jsonl
+from gyre_slurm.config.schema import load_config
 from gyre_slurm.sched.types import Observation
 from runtime_checks import check_run_dir, trained_trajectories
 
@@ -159,6 +161,23 @@ def test_elastic_moves_cells_both_ways(tmp_path):
     for d, obs in zip([d for d in decisions if "observed" in d], seen):
         assert obs.now_s == pytest.approx(d["t_run_s"], abs=1.0)
         assert len(obs.cells) == 4 and len(obs.run_elapsed_s) == obs.runs_in_flight
+    # The handoff costs the policy is told: the config's until a cell has moved that way,
+    # then the median of the last 10 transits measured (`sched.observe.HandoffTimes`).
+    prior = load_config(run_dir / "config.yaml", []).handoff
+    transits = {"train": [], "rollout": []}
+    told = 0
+    for e in events:
+        if e["kind"] == "handoff" and not e.get("resumed"):
+            to = e["direction"].split("->")[1]
+            transits[to].append(e["total_s"] - (e["drain_s"] if to == "train" else 0.0))
+        elif e["kind"] == "decision" and "observed" in e:
+            got = e["observed"]
+            for to, key, conf in (("train", "handoff_to_train_s", prior.to_train_s),
+                                  ("rollout", "handoff_to_rollout_s", prior.to_rollout_s)):
+                want = statistics.median(transits[to][-10:]) if transits[to] else conf
+                assert got[key] == pytest.approx(want, rel=1e-6), (to, transits[to], got[key])
+                told += bool(transits[to])
+    assert told, "no decision came after a measured handoff"
 
 
 # configs/bench-modes-phases.yaml in small: training-bound steps, then runs ten times

@@ -492,8 +492,9 @@ class TrainerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class HandoffConfig:
-    """Seconds per phase of a handoff: the simulator's costs and the policy's prior (the
-    runtime measures the real ones into events.jsonl)."""
+    """Seconds per phase of a handoff: the simulator's costs and the policy's prior. The
+    runtime measures the real ones into events.jsonl and, once a cell has moved each
+    way, tells the policy those (the median of the last 10 transits) instead."""
 
     engine_release_s: float = key(10.0, "a rollout engine frees the GPUs (sleep or stop)")
     group_rebuild_s: float = key(5.0, "torch.distributed and parallel state rebuilt")

@@ -382,7 +382,7 @@ class Coordinator:
             train_tokens_per_cell_s=self.training.tokens_per_cell_s(
                 prior_tokens_per_cell_s(self.cfg)),
             tokens_per_run=self.tokens_per_run(),
-            handoff=self.cfg.handoff,
+            handoff=self.handoffs.times.costs(self.cfg.handoff),  # measured, else the config's
             call_interval_s=self.rollouts.call_interval_s(now, self.gateway.calls_of))
 
     def tokens_per_run(self) -> float:

@@ -47,6 +47,7 @@ from gyre_slurm.runtime.job import JobState, ServerId
 from gyre_slurm.runtime.recovery import Recovery, catch_up
 from gyre_slurm.runtime.world import TrainWorld
 from gyre_slurm.sched.cells import Role
+from gyre_slurm.sched.observe import HandoffTimes
 from gyre_slurm.sched.types import Decision
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ class Handoffs:
         self.wsync = wsync  # rollout.weight_sync: stream (None: file)
         self.draining: set[int] = set()  # cells waiting in the drain of a move to training
         self.cancels: set[int] = set()  # ... whose drain the policy cancelled
+        self.times = HandoffTimes()  # measured transits: the costs the policy is told
 
     def refusal(self, d: Decision) -> str | None:
         """Why the decision is not carried out now (None: it is)."""
@@ -337,6 +339,7 @@ class Handoffs:
         for c in cells:
             job.table.finish_handoff(c, now_s=job.now_s())
         phases["total_s"] = time.monotonic() - t0
+        self.times.add("train", phases["total_s"] - phases["drain_s"])
         job.rd.event("handoff", direction="rollout->train", cells=cells, **phases)
 
     async def to_rollout(self, cells: list[int], wait: bool = False) -> None:
@@ -356,6 +359,7 @@ class Handoffs:
         for c in cells:
             job.table.finish_handoff(c, now_s=job.now_s())
         phases["total_s"] = time.monotonic() - t0
+        self.times.add("rollout", phases["total_s"])  # its "drain": the micro-batch under way
         job.rd.event("handoff", direction="train->rollout", cells=cells, **phases)
 
     async def _drain(self, cells: list[int], *, wait: bool, t0: float) -> None:

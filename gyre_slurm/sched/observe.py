@@ -6,6 +6,7 @@ computed here, the same way for both. Pure: no I/O, no clock (time is passed in)
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -34,14 +35,39 @@ def min_train_cells(cfg: GyreConfig) -> int:
     return math.ceil(cfg.training.min_replica_nodes / cfg.cluster.cell_nodes)
 
 
+class HandoffTimes:
+    """Measured handoff transits, per direction: the seconds a moving cell served neither
+    side (the engine's release and the world's rebuild; the wait for the micro-batch
+    under way, the rebuild and the servers' start or resume), its drain not counted (the
+    policy expects drains itself). A multi-cell handoff counts once: its cells move
+    together. `costs(prior)` is what the policy is told: each direction's median of its
+    last `keep`, the prior's until one has been measured. The coordinator and the
+    simulator keep one each."""
+
+    def __init__(self, keep: int = 10):
+        self.keep = keep
+        self.seconds: dict[str, list[float]] = {"train": [], "rollout": []}
+
+    def add(self, to: str, seconds: float) -> None:
+        if math.isfinite(seconds) and seconds >= 0:
+            self.seconds[to] = (self.seconds[to] + [float(seconds)])[-self.keep:]
+
+    def costs(self, prior: HandoffConfig) -> tuple[float, float]:
+        """(to_train_s, to_rollout_s)."""
+        train, rollout = self.seconds["train"], self.seconds["rollout"]
+        return (statistics.median(train) if train else prior.to_train_s,
+                statistics.median(rollout) if rollout else prior.to_rollout_s)
+
+
 def build_observation(*, cfg: GyreConfig, now_s: float, table: CellTable,
                       cell_runs: Mapping[int, int], runs: RunsNow, ledger: WorkLedger,
                       version: int, streaming: bool, train_tokens_per_cell_s: float,
-                      tokens_per_run: float, handoff: HandoffConfig,
+                      tokens_per_run: float, handoff: tuple[float, float],
                       call_interval_s: float | None = None) -> Observation:
     """`cell_runs`: runs each cell serves now; `version`: the step being trained;
-    `handoff`: the costs the policy is told (configured or measured); `call_interval_s`:
-    the mean time between a run's model calls, measured (None: the configured
+    `handoff`: the costs the policy is told, (to_train_s, to_rollout_s): measured
+    (`HandoffTimes.costs`), the config's until measured; `call_interval_s`: the mean
+    time between a run's model calls, measured (None: the configured
     `rollout.call_interval_s`)."""
     cells = tuple(CellObs(c.cell_id, c.role, c.target, c.standalone,
                           int(cell_runs.get(c.cell_id, 0)), c.since_s) for c in table.cells)
@@ -55,7 +81,7 @@ def build_observation(*, cfg: GyreConfig, now_s: float, table: CellTable,
         min_train_cells=min_train_cells(cfg),
         tokens_per_run=tokens_per_run,
         policy_version=version, steps_done=version, num_steps=ledger.num_steps,
-        handoff_to_train_s=handoff.to_train_s, handoff_to_rollout_s=handoff.to_rollout_s,
+        handoff_to_train_s=float(handoff[0]), handoff_to_rollout_s=float(handoff[1]),
         step_runs_left=ledger.step_runs_left(version),
         run_steps=runs.steps,
         call_interval_s=cfg.rollout.call_interval_s if call_interval_s is None

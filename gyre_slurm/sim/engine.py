@@ -18,8 +18,8 @@ import numpy as np
 from gyre_slurm.config.schema import GyreConfig, HandoffConfig
 from gyre_slurm.sched.cells import Cell, CellTable, Role
 from gyre_slurm.sched.ledger import WorkLedger
-from gyre_slurm.sched.observe import (RunsNow, build_observation, prior_tokens_per_cell_s,
-                                      prior_tokens_per_run)
+from gyre_slurm.sched.observe import (HandoffTimes, RunsNow, build_observation,
+                                      prior_tokens_per_cell_s, prior_tokens_per_run)
 from gyre_slurm.sched.types import Decision, Observation, Policy
 from gyre_slurm.sim.limits import MAX_TICKS, TooLargeToSimulate, check_job, time_limit_s
 from gyre_slurm.sim.rollout import RUNNING, RolloutCells
@@ -79,6 +79,7 @@ class Simulator:
         whose config holds a prior and whose handoffs take what they take."""
         self.cfg, self.policy, self.w = cfg, policy, workload
         self.policy_handoff = policy_handoff or cfg.handoff
+        self.handoff_times = HandoffTimes()  # as the runtime: measured once a cell moved
         self.cap = cfg.cell_capacity
         num_cells = cfg.cluster.num_cells
         check_job(cfg, workload)  # a workload may come from elsewhere than sample_workload
@@ -294,6 +295,11 @@ class Simulator:
     def on_phase_done(self, cell_id: int, _b: int) -> None:
         rec = self.pending_handoff.pop(cell_id)
         self.handoff_log.append(rec)
+        # The cell's transit as the runtime measures it; joining training, the world's
+        # rebuild too (charged to the whole world as it starts: `Microbatch` pause).
+        transit = sum(v for k, v in rec.items() if k.endswith("_s") and k != "drain_s")
+        self.handoff_times.add(rec["to"], transit + (self.cfg.handoff.group_rebuild_s
+                                                     if rec["to"] == "train" else 0.0))
         cell = self.table.finish_handoff(cell_id, now_s=self.now)
         self.mark(cell_id, cell.role.value)
         if cell.role is Role.ROLLOUT:
@@ -426,7 +432,8 @@ class Simulator:
             cell_runs=dict(enumerate(self.rollout.load.tolist())), runs=runs,
             ledger=self.ledger, version=step, streaming=self.policy.streaming,
             train_tokens_per_cell_s=self.cell_tps, tokens_per_run=self.tokens_per_run(step),
-            handoff=self.policy_handoff, call_interval_s=self.cfg.rollout.call_interval_s)
+            handoff=self.handoff_times.costs(self.policy_handoff),
+            call_interval_s=self.cfg.rollout.call_interval_s)
 
     def tokens_per_run(self, step: int) -> float:
         """A run's trained tokens at this step (its phase), computed once per step."""
