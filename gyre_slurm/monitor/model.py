@@ -63,7 +63,7 @@ WINDOW_S = 60.0
 # traceback where they read it. Each check names the first field that does not fit: an
 # event is then skipped and reported like a corrupt line, a status.json is treated like
 # a garbled one (the last good status is kept).
-def _number(v) -> bool:
+def finite_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -100,16 +100,16 @@ EVENT_FIELDS: dict[str, dict[str, tuple[bool, Callable, str]]] = {
     "handoff": {"direction": (True, lambda v: isinstance(v, str) and "->" in v,
                               "'<from>-><to>'"),
                 "cells": (True, _list_of(_count), "a list of cell numbers"),
-                "total_s": (False, _number, "seconds"), "drain_s": (False, _number, "seconds")},
-    "handoff_cancelled": {"drain_s": (False, _number, "seconds")},
+                "total_s": (False, finite_number, "seconds"), "drain_s": (False, finite_number, "seconds")},
+    "handoff_cancelled": {"drain_s": (False, finite_number, "seconds")},
     "step": {"step": (True, _count, "a step number"),
-             "mean_reward": (False, _real, "a number"), "seconds": (False, _number, "seconds"),
-             "trajectories": (False, _number, "a number"), "tokens": (False, _number, "a number"),
+             "mean_reward": (False, _real, "a number"), "seconds": (False, finite_number, "seconds"),
+             "trajectories": (False, finite_number, "a number"), "tokens": (False, finite_number, "a number"),
              "metrics": (False, lambda v: isinstance(v, dict) and all(
                  _metric(x) for x in v.values()), "an object of numbers")},
-    "microbatch": {"tokens": (False, _number, "a number"), "seconds": (False, _number, "seconds")},
+    "microbatch": {"tokens": (False, finite_number, "a number"), "seconds": (False, finite_number, "seconds")},
     "run_end": {"status": (False, _opt(_str), "a string")},
-    "finish": {"wall_s": (False, _number, "seconds")},
+    "finish": {"wall_s": (False, finite_number, "seconds")},
 }
 
 
@@ -131,16 +131,16 @@ def event_error(e: dict) -> str | None:
     """What is wrong with an event for the monitor, or None."""
     if not isinstance(e.get("kind"), str):
         return "an event without a kind"
-    if not _number(e.get("t")):
+    if not finite_number(e.get("t")):
         return f"a {e['kind']} event whose time is not a finite number"
     return _fields_error(e, EVENT_FIELDS.get(e["kind"], {}), f"a {e['kind']} event")
 
 
 _SAMPLE = lambda v: isinstance(v, dict) and all(  # noqa: E731 (a waterlevel sample)
-    _number(x) for k, x in v.items() if k in ("t", "waterlevel", "in_flight", "queued",
+    finite_number(x) for k, x in v.items() if k in ("t", "waterlevel", "in_flight", "queued",
                                                "rollout_cells", "train_cells"))
 STATUS_FIELDS: dict[str, tuple[bool, Callable, str]] = {
-    "t": (False, _number, "a time"), "elapsed_s": (False, _number, "seconds"),
+    "t": (False, finite_number, "a time"), "elapsed_s": (False, finite_number, "seconds"),
     "final": (False, lambda v: isinstance(v, bool), "true or false"),
     "policy": (False, _str, "a string"), "version": (False, _count, "a whole number"),
     "num_steps": (False, _opt(_count), "a whole number"),

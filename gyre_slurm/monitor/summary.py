@@ -9,13 +9,12 @@ out); `start_text` and `end_text` read the run dir and format.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
 
 from gyre_slurm.common.fsio import read_jsonl
-from gyre_slurm.monitor.model import event_error, read_status_checked
+from gyre_slurm.monitor.model import event_error, finite_number, read_status_checked
 
 REWARD_STEPS = 5  # the reward "at the start" and "at the end": mean of this many steps
 
@@ -47,7 +46,7 @@ def summarize(events: Iterable[dict], runs: Iterable[dict], status: dict) -> dic
             wall_s = e.get("wall_s")
     if wall_s is None and started is not None and last_t is not None:
         wall_s = last_t - started  # stopped or failed: up to its last event
-    rewards = [s["mean_reward"] for s in steps if _number(s.get("mean_reward"))]
+    rewards = [s["mean_reward"] for s in steps if finite_number(s.get("mean_reward"))]
     ended = Counter(r.get("status", "?") for r in runs)
     return {
         "version": status.get("version", len(steps)), "num_steps": status.get("num_steps"),
@@ -87,10 +86,6 @@ def _run_record_error(r: dict) -> str | None:
     if isinstance(r.get("status", "?"), str):
         return None
     return "a run record whose status is not a string"
-
-
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _mean(xs: list[float]) -> float | None:

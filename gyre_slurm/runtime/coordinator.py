@@ -337,7 +337,7 @@ class Coordinator:
                 self.handoffs.start(decisions)
             await asyncio.sleep(self.cfg.scheduler.interval_s)
 
-    def carried(self, decisions, obs: Observation | None = None) -> list:
+    def carried(self, decisions, obs: Observation) -> list:
         """The decisions the handoffs carry out now, each logged (`decision`); the others
         are logged as `decision_dropped` with the reason, once per cell until its next
         carried decision or a different refusal (the policy repeats them every tick).
@@ -350,7 +350,7 @@ class Coordinator:
             fields.pop("kind")
             fields["t_run_s"] = fields.pop("t")  # seconds into this coordinator's life
             if why is None:
-                if obs is not None and not out:
+                if not out:
                     fields["observed"] = obs.as_record()
                 self.dropped.pop(d.cell_id, None)
                 self.rd.event("decision", **fields)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -45,12 +46,11 @@ class HandoffTimes:
     simulator keep one each."""
 
     def __init__(self, keep: int = 10):
-        self.keep = keep
-        self.seconds: dict[str, list[float]] = {"train": [], "rollout": []}
+        self.seconds = {to: deque(maxlen=keep) for to in ("train", "rollout")}
 
     def add(self, to: str, seconds: float) -> None:
         if math.isfinite(seconds) and seconds >= 0:
-            self.seconds[to] = (self.seconds[to] + [float(seconds)])[-self.keep:]
+            self.seconds[to].append(float(seconds))
 
     def costs(self, prior: HandoffConfig) -> tuple[float, float]:
         """(to_train_s, to_rollout_s)."""

@@ -346,8 +346,7 @@ def _streamed_end(outlook: "Outlook", s: StepOutlook, train: Capacity, prev_te: 
     step, started with their cohorts. At each level q of the step's tokens arrived, the
     rest trains after that time; nothing trains before its first group has ended."""
     now = outlook.now_s
-    per_run = s.run_tokens
-    todo = (s.inflight + s.new_runs) * per_run + s.waiting_tokens
+    todo = (s.inflight + s.new_runs) * s.run_tokens + s.waiting_tokens
     t = train.solve(max(prev_te, now), s.tokens)
     if todo <= 0 or not now < end < math.inf:
         return max(t, train.solve(max(prev_te, end), min(s.group_tokens, s.tokens)))
@@ -359,12 +358,12 @@ def _streamed_end(outlook: "Outlook", s: StepOutlook, train: Capacity, prev_te: 
             # The open groups: their finished runs' tokens and those in flight arrive when
             # a group's last run ends; m of a group's runs in flight have all ended
             # with probability ended^m (the in-flight runs spread evenly over the groups).
-            open_runs = s.inflight + s.waiting_tokens / max(per_run, 1e-9)
-            size = max(1.0, s.group_tokens / max(per_run, 1e-9))
+            open_runs = s.inflight + s.waiting_tokens / max(s.run_tokens, 1e-9)
+            size = max(1.0, s.group_tokens / max(s.run_tokens, 1e-9))
             m = max(1.0, s.inflight / max(1.0, open_runs / size))
-            arrived += open_runs * per_run * np.clip(ended, 0.0, 1.0) ** m
+            arrived += open_runs * s.run_tokens * np.clip(ended, 0.0, 1.0) ** m
         else:
-            arrived += s.inflight * per_run * ended
+            arrived += s.inflight * s.run_tokens * ended
     cohorts = [c for c in getattr(outlook, "cohorts", ()) if c[0] == s.step]
     if cohorts and s.model is not None:
         # A cohort's runs start together: a group of g of them has ended with prob F^g.
@@ -375,10 +374,10 @@ def _streamed_end(outlook: "Outlook", s: StepOutlook, train: Capacity, prev_te: 
                 _, start, count, model, speed = last = cohort
                 age = np.maximum(ts - start, 0.0) * speed
                 ended = np.where(ts > start, 1.0 - model.sf(age), 0.0) ** g
-                term = count * ended * per_run
+                term = count * ended * s.run_tokens
             arrived += term
     arrived = np.maximum.accumulate(arrived)
-    first = min(todo, s.group_tokens if cohorts else per_run)
+    first = min(todo, s.group_tokens if cohorts else s.run_tokens)
     levels = np.concatenate(([first / todo], LEVELS))
     at = np.interp(levels * arrived[-1], arrived, ts)
     for i, (level, when) in enumerate(zip(levels.tolist(), at.tolist())):  # as floats

@@ -8,7 +8,7 @@ sentence for `events.jsonl` and the monitor).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal, Protocol, Sequence
 
 import numpy as np
@@ -86,10 +86,9 @@ class Observation:
         return [c for c in self.cells if c.heading is role]
 
 
-SCALARS = ("now_s", "cell_capacity", "runs_in_flight", "runs_queued", "runs_future",
-           "train_ready_tokens", "train_waiting_tokens", "train_tokens_per_cell_s",
-           "min_train_cells", "tokens_per_run", "policy_version", "steps_done", "num_steps",
-           "handoff_to_train_s", "handoff_to_rollout_s", "step_runs_left", "call_interval_s")
+# Every field of an Observation but its cells and per-run arrays: a number each.
+SCALARS = tuple(f.name for f in fields(Observation)
+                if f.name not in ("cells", "run_elapsed_s", "run_steps"))
 
 
 @dataclass(frozen=True)
