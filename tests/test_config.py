@@ -38,6 +38,8 @@ def test_defaults_load_and_round_trip():
     ({"cluster": "big"}, ["cluster: expected a mapping", "str 'big'"]),
     ({"training": {"packing": "trees"}}, ["training.packing", "'tree'", "'rows'", "'trees'"]),
     ({"workload": {"rows_reread": 0.5}}, ["workload.rows_reread must be >= 1", "0.5"]),
+    ({"scheduler": {"interval_s": 1e300}}, ["scheduler.interval_s must be <= 3,600",
+                                            "colocate", "got 1e+300"]),
     ({"trainer": {"precision": "fp16"}}, ["trainer.precision", "'bf16'", "'fp16'"]),
     ({"trainer": {"distributed_optimizer": True}}, ["distributed_optimizer", "backend: megatron"]),
     ({"trainer": {"backend": "megatron", "python": "env:megatron", "expert_parallel": 2}},

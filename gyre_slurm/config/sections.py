@@ -43,6 +43,7 @@ def _all_positive(section: Any, names: tuple[str, ...], *, allow_zero: bool = Fa
 # forecast and the simulator (a lognormal's grid of exp(mu +- 6 sigma) overflows; a rate
 # table of one entry per concurrent run cannot be allocated): far above any real job.
 MAX_RUNS_PER_NODE = 100_000
+MAX_POLICY_INTERVAL_S = 3600.0  # scheduler.interval_s: a move waits up to one interval
 
 
 def _at_most(name: str, value: float, limit: float, why: str) -> None:
@@ -123,6 +124,10 @@ class SchedulerConfig:
                       allow_zero=True)
         _positive("horizon_steps", self.horizon_steps)
         _positive("interval_s", self.interval_s)
+        _at_most("interval_s", self.interval_s, MAX_POLICY_INTERVAL_S,
+                 "seconds between the policy's looks: a cell may wait that long for a "
+                 "move, and colocate for each of its two handoffs a step; seconds to a "
+                 "minute suit any job")
 
 
 @dataclass(frozen=True, kw_only=True)
