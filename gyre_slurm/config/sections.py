@@ -46,6 +46,11 @@ MAX_RUNS_PER_NODE = 100_000
 MAX_POLICY_INTERVAL_S = 3600.0  # scheduler.interval_s: a move waits up to one interval
 
 
+def _at_least(name: str, value: float, limit: float, why: str) -> None:
+    if not value >= limit:
+        raise FieldError(name, f"must be >= {limit:,g} ({why}), got {value:g}")
+
+
 def _at_most(name: str, value: float, limit: float, why: str) -> None:
     if value > limit:
         raise FieldError(name, f"must be <= {limit:,g} ({why}), got {value:g}")
@@ -185,6 +190,7 @@ class WorkloadConfig:
     def __post_init__(self) -> None:
         _all_positive(self, ("num_steps", "prompts_per_step", "group_size", "tokens_mean",
                              "tokens_max"))
+        _at_least("tokens_max", self.tokens_max, 1.0, "a run trains at least one token")
         if not self.rows_reread >= 1.0:
             raise FieldError("rows_reread", f"must be >= 1 (rows never compute fewer tokens "
                              f"than the tree), got {self.rows_reread}")
@@ -372,6 +378,8 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         _all_positive(self, ("node_tokens_per_s", "min_replica_nodes", "microbatch_tokens",
                              "max_per_run", "checkpoint_every_steps"))
+        _at_least("microbatch_tokens", self.microbatch_tokens, 1.0,
+                  "a micro-batch holds whole tokens; below one, none would ever train")
         if not 0.0 < self.scaling_efficiency <= 1.0:
             raise FieldError("scaling_efficiency",
                              f"must be in (0, 1], got {self.scaling_efficiency}")
