@@ -67,7 +67,8 @@ def test_task_digits_deterministic_distinct_sorted(num_digits):
 
 
 @pytest.mark.parametrize("params", [{"num_digits": 0}, {"num_digits": 11}, {"turns": 3},
-                                    {"bogus": 1}])
+                                    {"bogus": 1}, {"tool_mean_s": float("nan")},
+                                    {"tool_sigma": float("inf")}, {"tool_max_s": 0.0}])
 def test_bad_params_are_user_errors(params):
     with pytest.raises(UserError):
         make_env("learnable", **params)

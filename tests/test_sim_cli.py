@@ -98,9 +98,14 @@ def test_workload_file_with_a_trace(gyre):
     (["--preset", "small", "--set", "workload.num_steps=100000000"],
      "the workload has 3,200,000,000 runs"),
     (["--preset", "small", "--set", "cluster.num_nodes=100000"], "100,000 cells"),
+    (["--preset", "small", "--set", "handoff.engine_start_s=1e8"],
+     "handoff.engine_start_s = 1e+08 s is longer than"),
+    (["--preset", "small", "--set", "rollout.weight_sync_s=1e8"], "rollout.weight_sync_s"),
+    # any key of seconds: past 1e9 s an OverflowError where the runtime waits on it
     (["--preset", "small", "--set", "handoff.engine_start_s=1e30"],
-     "handoff.engine_start_s = 1e+30 s is longer than"),
-    (["--preset", "small", "--set", "rollout.weight_sync_s=1e30"], "rollout.weight_sync_s"),
+     "handoff.engine_start_s must be <= 1e+09 (seconds"),
+    (["--preset", "small", "--set", "faults.agent_lost_s=1e300"],
+     "faults.agent_lost_s must be <= 1e+09"),
     (["--preset", "small", "--set", "seed=-1"], "seed = -1: seeds are whole numbers"),
     # finite but past what the forecast's and the simulator's arithmetic holds (each was a
     # traceback: an overflow in the forecast's grid, a rate table of 1e20 entries, a

@@ -59,6 +59,10 @@ def _sep(message: str) -> str:
     return "" if message[:1] in "[.:" else " "
 
 
+# Every key of seconds (its name ends in `_s`) is at most this: about 32 years, longer
+# than any job. A time past it means "never", which no key takes, and a thread's wait or
+# a socket's timeout of 1e300 s is an OverflowError in the runtime.
+MAX_SECONDS = 1e9
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -206,6 +210,9 @@ def _convert_scalar(tp: Any, value: Any, *, path: str) -> Any:
             raise ConfigError(f"{path}: expected a number, got {_describe(value)}")
         if not math.isfinite(float(value)):  # no key means "never" or "none" by .inf/.nan
             raise ConfigError(f"{path}: expected a finite number, got {value}")
+        if path.endswith("_s") and abs(float(value)) > MAX_SECONDS:
+            raise ConfigError(f"{path} must be <= {MAX_SECONDS:g} (seconds: about 32 years, "
+                              f"longer than any job; check its unit), got {float(value):g}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):

@@ -24,11 +24,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from gyre_slurm.config.loader import FieldError, key
+from gyre_slurm.config.loader import MAX_SECONDS, FieldError, key
 
 
 MAX_SIGMA = 5.0  # a lognormal sigma (duration.sigma, a phase's): mean 268,000 x median
-MAX_DURATION_S = 1e9  # a duration (mean_s, max_s, a trace's): 32 years, no job is longer
+MAX_DURATION_S = MAX_SECONDS  # a duration (mean_s, max_s, a trace's): 32 years, no job is longer
 
 
 @dataclass(frozen=True, kw_only=True)

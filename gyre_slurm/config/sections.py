@@ -43,6 +43,7 @@ def _all_positive(section: Any, names: tuple[str, ...], *, allow_zero: bool = Fa
 # forecast and the simulator (a lognormal's grid of exp(mu +- 6 sigma) overflows; a rate
 # table of one entry per concurrent run cannot be allocated): far above any real job.
 MAX_RUNS_PER_NODE = 100_000
+MAX_TEMPERATURE = 1e6  # the gateway's (gateway/openai.py): a call above it is refused
 MAX_POLICY_INTERVAL_S = 3600.0  # scheduler.interval_s: a move waits up to one interval
 
 
@@ -244,6 +245,8 @@ class AgentConfig:
         _all_positive(self, ("max_turns", "context_budget_tokens", "max_tokens",
                              "run_timeout_s"))
         _positive("temperature", self.temperature, allow_zero=True)
+        _at_most("temperature", self.temperature, MAX_TEMPERATURE,
+                 "the gateway refuses a call above it, so every run would fail")
         _check_env(self.env, self.env_params)
 
 
@@ -339,6 +342,9 @@ class RolloutConfig:
                       allow_zero=True)
         _all_positive(self, ("call_interval_s", "max_model_len", "weight_bucket_mb",
                              "weight_sync_timeout_s"))
+        _at_least("weight_bucket_mb", self.weight_bucket_mb, 0.001,
+                  "a bucket holds at least one tensor whatever its size; under 1 KB the "
+                  "first weight sync would fail mid-job")
         if self.tensor_parallel is not None:
             _positive("tensor_parallel", self.tensor_parallel)
         _check_role_python("rollout", self.python, self.container_image)

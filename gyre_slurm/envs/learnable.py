@@ -66,8 +66,11 @@ class LearnableEnv:
 
     def __init__(self, *, num_digits: int = 5, turns: int = 1, tool_mean_s: float = 0.0,
                  tool_sigma: float = 1.0, tool_max_s: float = 60.0):
-        if tool_mean_s < 0 or tool_sigma < 0 or tool_max_s <= 0:
-            raise UserError("learnable: tool_mean_s and tool_sigma must be >= 0, tool_max_s > 0")
+        if not (0 <= tool_mean_s < math.inf and 0 <= tool_sigma < math.inf
+                and 0 < tool_max_s < math.inf):  # (NaN fails each)
+            raise UserError(f"learnable: tool_mean_s and tool_sigma must be finite and >= 0, "
+                            f"tool_max_s finite and > 0; got tool_mean_s={tool_mean_s}, "
+                            f"tool_sigma={tool_sigma}, tool_max_s={tool_max_s}")
         self.tool_mean_s, self.tool_sigma, self.tool_max_s = tool_mean_s, tool_sigma, tool_max_s
         self._rng = random.Random()  # tool latency; `reset(run_seed=)` makes it replayable
         if not 1 <= num_digits <= 10:

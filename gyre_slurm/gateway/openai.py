@@ -29,6 +29,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gyre_slurm.config.sections import MAX_TEMPERATURE
 from gyre_slurm.gateway.errors import RequestError
 
 __all__ = ["RequestError", "Sampling", "Choice", "parse_sampling", "parse_messages",
@@ -38,7 +39,8 @@ __all__ = ["RequestError", "Sampling", "Choice", "parse_sampling", "parse_messag
 MAX_N = 16
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1 - MAX_N
 MAX_STOPS = 4
-MAX_TEMPERATURE = 1e6  # (temperatures under 1e-5 sample greedily, as in vLLM)
+# MAX_TEMPERATURE: agent.temperature is held to it too (temperatures under 1e-5 sample
+# greedily, as in vLLM)
 IGNORED_NUMBERS = {  # checked, not applied: name -> (lo, hi, lo excluded)
     "top_p": (0.0, 1.0, True), "min_p": (0.0, 1.0, False),
     "presence_penalty": (-2.0, 2.0, False), "frequency_penalty": (-2.0, 2.0, False),
