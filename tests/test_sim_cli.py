@@ -30,6 +30,24 @@ def test_json_has_the_documented_shape(gyre):
     assert out["policies"]["colocate"]["max_staleness"] == 0
 
 
+def test_where_a_replica_needs_every_cell_there_is_no_async_row(gyre):
+    """Two one-node cells and a replica of two nodes: no fixed split leaves a cell to roll
+    out, so the comparison has elastic and colocate only (it was an IndexError)."""
+    sets = ["cluster.num_nodes=2", "cluster.gpus_per_node=0", "training.min_replica_nodes=2",
+            "scheduler.min_rollout_cells=0", "scheduler.min_train_cells=0"]
+    args = [a for kv in sets for a in ("--set", kv)]
+    out = json.loads(gyre("sim", "--preset", "small", "--json", *args).stdout)
+    assert out["best_async_split"] is None
+    assert not any(k.startswith("async") for k in out["policies"])
+    assert {"elastic", "colocate", "elastic-naive", "colocate-stream"} <= set(out["policies"])
+    assert set(out["elastic_speedup"]) == {"vs_colocate"}
+    table = gyre("sim", "--preset", "small", "--no-ablations", *args).stdout
+    assert "no async split (a model replica needs every cell)" in " ".join(table.split())
+    refused = gyre("sim", "--preset", "small", *args, "--set", "scheduler.policy=async",
+                   check=False)
+    assert refused.returncode == 2 and "Use colocate or elastic" in refused.stderr
+
+
 def test_elastic_beats_both_baselines_on_the_small_preset():
     out = compare(load_config(preset_path("small")), ablations=False)
     r = {k: v.makespan_s for k, v in out["results"].items()}

@@ -145,6 +145,13 @@ class GyreConfig:
                 f"cells can ever train; lower scheduler.min_rollout_cells or add nodes"
             )
         most = num_cells - min_train
+        if sched.policy == "async" and most < 1:
+            raise ConfigError(
+                f"scheduler.policy async holds a fixed split, but a training replica needs "
+                f"{min_train} cells (training.min_replica_nodes = "
+                f"{self.training.min_replica_nodes}, cluster.cell_nodes = "
+                f"{self.cluster.cell_nodes}) and the cluster has {num_cells}: no cell is "
+                f"left to roll out beside it. Use colocate or elastic, or add nodes")
         if sched.async_rollout_cells is not None and not 0 < sched.async_rollout_cells <= most:
             raise ConfigError(
                 f"scheduler.async_rollout_cells must be between 1 and {most} (the cluster has "

@@ -29,6 +29,7 @@ import numpy as np
 from gyre_slurm.config.phases import StepShape, step_shape
 from gyre_slurm.config.schema import GyreConfig
 from gyre_slurm.config.trace import load_trace
+from gyre_slurm.errors import UserError
 from gyre_slurm.sched.baselines import AsyncPolicy, ColocatePolicy
 from gyre_slurm.sched.elastic import ElasticPolicy
 from gyre_slurm.sched.observe import opening_observation
@@ -108,6 +109,10 @@ def named_policy(cfg: GyreConfig, name: str, *, base_dir: Path | None = None) ->
         "elastic-naive": lambda: make_elastic(cfg, base_dir=base_dir, forecast=False,
                                               drain="wait", name="elastic-naive"),
     }
+    if name.startswith("async") and not feasible_async_splits(cfg):
+        raise UserError(f"policy {name}: a model replica needs every one of the "
+                        f"{cfg.cluster.num_cells} cells, so no fixed split leaves a cell to "
+                        f"roll out; use colocate or elastic, or add nodes")
     if name.startswith("async-split-"):
         return AsyncPolicy(rollout_cells=int(name.rsplit("-", 1)[1]), name=name)
     if name not in factories:

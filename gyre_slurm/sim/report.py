@@ -52,8 +52,10 @@ def print_table(summary: dict, console=None) -> None:
     lb = summary["lower_bound_s"]
     table = Table(title=f"{summary['preset']}: lower bound {lb / 3600:.2f} h "
                         f"(work {summary['work_bound_s'] / 3600:.2f} h, critical path "
-                        f"{summary['critical_path_s'] / 3600:.2f} h); best async split "
-                        f"{summary['best_async_split']} rollout cells")
+                        f"{summary['critical_path_s'] / 3600:.2f} h); " + (
+                            f"best async split {summary['best_async_split']} rollout cells"
+                            if summary["best_async_split"] is not None else
+                            "no async split (a model replica needs every cell)"))
     for col in ("policy", "hours", "x bound", "vs elastic", "busy", "handoffs", "migrated"):
         table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     elastic = summary["policies"]["elastic"]["makespan_s"]

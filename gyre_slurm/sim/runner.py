@@ -61,17 +61,24 @@ def best_async(cfg: GyreConfig, workload: Workload, *, streaming: bool = False,
 
 
 def compare(cfg: GyreConfig, *, ablations: bool = True, base_dir: Path | None = None) -> dict:
+    """Every policy of the comparison on one sampled workload. Where a model replica
+    needs every cell there is no fixed split: the async rows are left out and
+    `best_async_split` is None."""
     workload = sample_workload(cfg, base_dir=base_dir)
     bound = lower_bound(cfg, workload)
+    has_split = bool(feasible_async_splits(cfg))
     results: dict[str, SimResult] = {}
-    for name in ("elastic", "colocate", "async-even"):
+    for name in ("elastic", "colocate", "async-even") if has_split else ("elastic", "colocate"):
         results[name] = simulate(cfg, named_policy(cfg, name, base_dir=base_dir), workload)
-    split, results["async"], tried = best_async(cfg, workload)
-    for r, res in sorted(tried.items()):
-        results[f"async-split-{r}"] = res
+    split = None
+    if has_split:
+        split, results["async"], tried = best_async(cfg, workload)
+        for r, res in sorted(tried.items()):
+            results[f"async-split-{r}"] = res
     if ablations:
         for name in ABLATIONS[:-1]:
             results[name] = simulate(cfg, named_policy(cfg, name, base_dir=base_dir), workload)
+    if ablations and has_split:
         _, results["async-stream"], _ = best_async(cfg, workload, streaming=True,
                                                    name="async-stream")
         even = named_policy(cfg, "async-even", base_dir=base_dir)
