@@ -128,9 +128,10 @@ class Outlook:
     speed: Callable[[float], float] = lambda load: 1.0  # a run's speed at a cell's load
     concurrency: int = 0  # runs a staleness window holds (0: those known now)
     trained_before: dict[int, float] = field(default_factory=dict)  # TE of steps before
-    lend: tuple[float, float, int, float] | None = None  # (to train, to rollout) handoff
-    #   seconds, cells at most, and the mean time between a run's calls (a lent cell's runs
-    #   migrate at their next): spare rollout cells train in steps' tails (the policy lends them)
+    lend: tuple[float, float, int, float, float] | None = None  # (to train, to rollout)
+    #   handoff seconds, cells at most, the mean time between a run's calls (a lent cell's
+    #   runs migrate at their next), and the wait to join the training world between
+    #   micro-batches: spare rollout cells train in steps' tails (the policy lends them)
     steps_after: int = 0  # steps of the job after the horizon's last
     hidden: int = 0  # steps at the end of `steps` past the horizon: simulated only for
     #                  the lending in their tails (the horizon's last step trains then)
@@ -289,7 +290,7 @@ class Outlook:
         that step is trained and serve rollout again a handoff later. A cell that would
         arrive after that is not lent. In the job's last step (`final`) they train to
         the end."""
-        h_t, h_r, most, call_s = self.lend
+        h_t, h_r, most, call_s, join_s = self.lend
         s = self.steps[i]
         starts = [c[1] for c in self.cohorts if c[0] == s.step]
         lo = max([self.now_s] + starts)
@@ -312,7 +313,7 @@ class Outlook:
         load = occ / np.maximum(cells, 1)
         wait = np.array([migrate_wait_s(call_s, max(1, int(x))) for x in load])
         # (when lent, cells, when they arrive in training)
-        lent = [(float(t), float(d), float(t + w + h_t))
+        lent = [(float(t), float(d), float(t + w + h_t + join_s))
                 for t, d, w in zip(ts, steps, wait) if d > 0]
         for t, d, at in lent:
             rollout.change(t, -d)
@@ -501,6 +502,21 @@ class WorkloadPrior:
         return at(step) / at(ref)
 
 
+def _join_wait(obs: Observation, p: WorkloadPrior) -> float:
+    """A cell joins a training world between micro-batches: half of one at the world's
+    speed now, expected (the elastic policy's `join_wait` for a move, here for a lent
+    cell). Where a micro-batch holds a whole step, lending credited without it expected
+    lent cells to speed a step they could not join: a 4-cell job of 2 runs a step, one
+    slot a node, kept 3 rollout cells for the lending to come and ran 8% behind the best
+    fixed split (docs/scheduler.md)."""
+    mb = p.microbatch_tokens
+    train = sum(1 for c in obs.cells if c.role.value == "train")
+    usable = train // max(1, obs.min_train_cells) * obs.min_train_cells
+    if mb <= 0 or usable <= 0 or not obs.train_tokens_per_cell_s > 0:
+        return 0.0
+    return 0.5 * mb / (obs.train_tokens_per_cell_s * usable)
+
+
 def build_outlook(obs: Observation, p: WorkloadPrior, *, horizon_steps: int,
                   streaming: bool, lend_cells: int = 0) -> Outlook:
     """The outlook of an observation: the steps allowed now and `horizon_steps` more,
@@ -580,6 +596,6 @@ def build_outlook(obs: Observation, p: WorkloadPrior, *, horizon_steps: int,
                                             min_cells=obs.min_train_cells,
                                             efficiency=p.scaling_efficiency),
                    lend=(obs.handoff_to_train_s, obs.handoff_to_rollout_s, lend_cells,
-                         obs.call_interval_s)
+                         obs.call_interval_s, _join_wait(obs, p))
                    if lend_cells > 0 else None,
                    steps_after=obs.num_steps - 1 - last - hidden, hidden=hidden)
