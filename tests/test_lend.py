@@ -224,7 +224,6 @@ def test_the_lending_credit_waits_for_a_micro_batch_to_join():
         cfg = load_config(None, ONE_BATCH_STEPS + [f"seed={seed}"])
         workload = sample_workload(cfg)
         elastic.append(simulate(cfg, named_policy(cfg, "elastic"), workload).makespan_s)
-        splits = fixed_split_makespans(cfg, workload)
-        best.append(splits)
+        best.append(fixed_split_makespans(cfg, workload))
     means = {r: np.mean([b[r] for b in best]) for r in best[0]}
     assert np.mean(elastic) <= 1.03 * min(means.values()), (np.mean(elastic), means)

@@ -374,15 +374,11 @@ class ElasticPolicy:
             + self.join_wait(obs)
 
     def join_wait(self, obs: Observation) -> float:
-        """A cell joins a training world between micro-batches: while one trains, half
-        of one at the world's present speed, expected."""
-        mb = self.prior.microbatch_tokens
-        train = sum(1 for c in obs.cells if c.role is Role.TRAIN)
-        if mb <= 0 or train < obs.min_train_cells or not (
-                obs.train_ready_tokens or obs.train_waiting_tokens or obs.runs_in_flight):
+        """What a cell moving to training waits to join its world (`join_wait_s`), while
+        the world has anything to train."""
+        if not (obs.train_ready_tokens or obs.train_waiting_tokens or obs.runs_in_flight):
             return 0.0
-        usable = train // obs.min_train_cells * obs.min_train_cells
-        return 0.5 * mb / (obs.train_tokens_per_cell_s * usable)
+        return obs.join_wait_s(self.prior.microbatch_tokens)
 
     def layout_now(self, obs: Observation, outlook: Outlook) -> tuple[Capacity, Capacity]:
         """The cells on each side now, and when the ones moving arrive."""

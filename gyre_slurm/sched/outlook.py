@@ -502,21 +502,6 @@ class WorkloadPrior:
         return at(step) / at(ref)
 
 
-def _join_wait(obs: Observation, p: WorkloadPrior) -> float:
-    """A cell joins a training world between micro-batches: half of one at the world's
-    speed now, expected (the elastic policy's `join_wait` for a move, here for a lent
-    cell). Where a micro-batch holds a whole step, lending credited without it expected
-    lent cells to speed a step they could not join: a 4-cell job of 2 runs a step, one
-    slot a node, kept 3 rollout cells for the lending to come and ran 8% behind the best
-    fixed split (docs/scheduler.md)."""
-    mb = p.microbatch_tokens
-    train = sum(1 for c in obs.cells if c.role.value == "train")
-    usable = train // max(1, obs.min_train_cells) * obs.min_train_cells
-    if mb <= 0 or usable <= 0 or not obs.train_tokens_per_cell_s > 0:
-        return 0.0
-    return 0.5 * mb / (obs.train_tokens_per_cell_s * usable)
-
-
 def build_outlook(obs: Observation, p: WorkloadPrior, *, horizon_steps: int,
                   streaming: bool, lend_cells: int = 0) -> Outlook:
     """The outlook of an observation: the steps allowed now and `horizon_steps` more,
@@ -595,7 +580,11 @@ def build_outlook(obs: Observation, p: WorkloadPrior, *, horizon_steps: int,
                    train_rate=train_rate_fn(obs.train_tokens_per_cell_s,
                                             min_cells=obs.min_train_cells,
                                             efficiency=p.scaling_efficiency),
+                   # A lent cell joins between micro-batches, as a moved one: where one
+                   # held a whole step, lending credited without the wait kept a third
+                   # rollout cell of 4 idle for lending that never came, 8% behind the
+                   # best fixed split (docs/scheduler.md, "A wider draw").
                    lend=(obs.handoff_to_train_s, obs.handoff_to_rollout_s, lend_cells,
-                         obs.call_interval_s, _join_wait(obs, p))
+                         obs.call_interval_s, obs.join_wait_s(p.microbatch_tokens))
                    if lend_cells > 0 else None,
                    steps_after=obs.num_steps - 1 - last - hidden, hidden=hidden)

@@ -85,6 +85,16 @@ class Observation:
     def heading_to(self, role: Role) -> list[CellObs]:
         return [c for c in self.cells if c.heading is role]
 
+    def join_wait_s(self, microbatch_tokens: float) -> float:
+        """A cell joins a training world between micro-batches: while one trains, half
+        of one at the world's present speed (its whole replicas), expected; 0 with no
+        world that trains."""
+        train = self.count(Role.TRAIN)
+        usable = train // max(1, self.min_train_cells) * self.min_train_cells
+        if microbatch_tokens <= 0 or usable <= 0 or not self.train_tokens_per_cell_s > 0:
+            return 0.0
+        return 0.5 * microbatch_tokens / (self.train_tokens_per_cell_s * usable)
+
 
 # Every field of an Observation but its cells and per-run arrays: a number each.
 SCALARS = tuple(f.name for f in fields(Observation)
