@@ -240,12 +240,13 @@ class ElasticPolicy:
                              if lending and self.streaming else 0)
 
     def lend(self, obs: Observation) -> list[Decision]:
-        """Lend a spare rollout cell to training for this step's tail (`TailLending`),
-        if the outlook expects the horizon trained sooner with lending than without, by
-        `min_gain` of what is left, as any move must (lends of 0.1% moved cells and
-        migrated runs for nothing)."""
-        cell = self.lending.candidate(obs, self.cfg.min_dwell_s)
-        if cell is None or obs.now_s - self._lend_refused_at < self.cfg.confirm_s:
+        """Lend the spare rollout cells to training for this step's tail
+        (`TailLending.candidates`: every one spare now, together), if the outlook
+        expects the horizon trained sooner with lending than without, by `min_gain` of
+        what is left, as any move must (lends of 0.1% moved cells and migrated runs for
+        nothing)."""
+        cells = self.lending.candidates(obs, self.cfg.min_dwell_s)
+        if not cells or obs.now_s - self._lend_refused_at < self.cfg.confirm_s:
             return []
         self._tails, self._alive = {}, None
         with_lending = self.outlook(obs)
@@ -268,12 +269,14 @@ class ElasticPolicy:
         if not (gain > 0 and self.gains_enough(obs, stay, lend.finish_s)):
             self._lend_refused_at = obs.now_s
             return []
-        self.lending.lent[cell.cell_id] = obs.now_s
-        self._drains[cell.cell_id] = "migrate"
-        cost = obs.handoff_to_train_s + obs.handoff_to_rollout_s
+        for cell in cells:
+            self.lending.lent[cell.cell_id] = obs.now_s
+            self._drains[cell.cell_id] = "migrate"
+        cost = len(cells) * (obs.handoff_to_train_s + obs.handoff_to_rollout_s)
         backlog = self.lending.backlog_s(obs)
+        runs = sum(c.active_runs for c in cells)
         expected = {
-            "plan": "lend", "cells": 1, "drain": "migrate", "migrated_runs": cell.active_runs,
+            "plan": "lend", "cells": len(cells), "drain": "migrate", "migrated_runs": runs,
             "finish_s": _r(lend.finish_s), "finish_without_lending_s": _r(stay.finish_s),
             "gain_s": _r(gain), "lent_cell_s": _r(lent_cell_s), "handoff_cell_s": _r(cost),
             "backlog_s": _r(backlog),
@@ -282,13 +285,13 @@ class ElasticPolicy:
             "train_end_s": [_r(x) for x in lend.train_end or []],
             "train_end_without_lending_s": [_r(x) for x in stay.train_end or []],
         }
-        reason = (f"lend 1 cell to training for this step's tail: no run queued, the next "
-                  f"batch not yet allowed, {_r(backlog)} s of training ready; its "
-                  f"{cell.active_runs} run(s) migrate to free slots; expected trained at "
+        reason = (f"lend {len(cells)} cell(s) to training for this step's tail: no run "
+                  f"queued, the next batch not yet allowed, {_r(backlog)} s of training "
+                  f"ready; {runs} run(s) migrate to free slots; expected trained at "
                   f"{_r(lend.finish_s)} s vs {_r(stay.finish_s)} s without lending (gains "
                   f"{_r(gain)} s); costs {_r(cost)} cell-s in handoffs there and back")
         return [Decision(cell.cell_id, Role.TRAIN, "release", reason, drain="migrate",
-                         expected=expected)]
+                         expected=expected) for cell in cells]
 
     def best_plan(self, outlook: Outlook, obs: Observation, stay: Plan) -> Plan:
         best = stay
