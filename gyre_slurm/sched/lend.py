@@ -1,13 +1,13 @@
 """Lending: the elastic policy's spare rollout cells train in a step's tail.
 
 Between the start of a step's last runs and the next batch being allowed (its step's
-policy trained), no run waits to start, and the runs still in flight leave rollout
-cells spare while training has a backlog. Elastic lends such cells to training, every
-one spare at that moment together (their runs migrate to free slots on the other
-rollout cells), and takes them back as soon as runs are queued again: the base layout
-the outlook chooses holds for whole steps, lending moves cells within them. The outlook credits every plan with the lending to
-come (`Outlook._lend`), so a base layout is not chosen for a training side that the
-tails' lending gives anyway.
+policy trained), no run waits to start, and the runs still in flight leave rollout cells
+spare while training has a backlog. Elastic lends such cells to training, every one
+spare at that moment together (their runs migrate to free slots on the other rollout
+cells), and takes them back as soon as runs are queued again: the base layout the
+outlook chooses holds for whole steps, lending moves cells within them. The outlook
+credits every plan with the lending to come (`Outlook._lend`), so a base layout is not
+chosen for a training side that the tails' lending gives anyway.
 
 Lending is only where a model replica is one cell: a lent cell that is not a whole
 replica adds no training throughput.
