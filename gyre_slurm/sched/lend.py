@@ -76,30 +76,19 @@ class TailLending:
                          expected=expected) for c in back]
 
     def candidate(self, obs: Observation, min_dwell_s: float = 0.0) -> CellObs | None:
-        """The cell to lend now, if any: no run queued (a later batch not yet allowed, or
-        the job's last runs all started: then lent for good); training has a whole replica and at least one handoff's time of tokens
-        ready; no cell in transit; the least-loaded elastic rollout cell that has dwelt
-        `min_dwell_s` in its role (as any move must) and whose runs fit in the free
-        slots of the other rollout cells (at least one stays)."""
-        if self.cells(obs) <= len(self.lent) or obs.runs_queued > 0:
-            return None
-        train = [c for c in obs.cells if c.role is Role.TRAIN]
-        if len(train) < obs.min_train_cells or obs.train_ready_tokens <= 0 or any(
-                c.role in (Role.DRAINING, Role.LOADING) for c in obs.cells):
-            return None
-        if self.backlog_s(obs) < obs.handoff_to_train_s:
-            return None
-        out = releasable_cells(obs, min_dwell_s)
-        roll = [c for c in obs.cells if c.role is Role.ROLLOUT]
-        if not out or len(roll) <= 1:
-            return None
-        cell = out[0]
-        return cell if cell.active_runs <= free_slots(obs, {cell.cell_id}) else None
+        """The first of `candidates`: the least-loaded cell that may be lent now, if
+        any (tools/sim_lend.py's rule lends one at a time)."""
+        cells = self.candidates(obs, min_dwell_s)
+        return cells[0] if cells else None
 
     def candidates(self, obs: Observation, min_dwell_s: float = 0.0) -> list[CellObs]:
-        """The cells to lend now, least loaded first: `candidate`, and more while the
-        lent cells stay within `cells` and the runs of all of them fit in the free slots
-        of the rollout cells that stay (at least one stays).
+        """The cells to lend now, least loaded first, if any: no run queued (a later
+        batch not yet allowed, or the job's last runs all started: then lent for good);
+        training has a whole replica and at least one handoff's time of tokens ready; no
+        cell in transit; elastic rollout cells that have dwelt `min_dwell_s` in their
+        role (as any move must), as many as keep the cells lent within `cells` and the
+        runs of all of them within the free slots of the rollout cells that stay (at
+        least one stays).
 
         Lent together because the outlook credits them together: its lending (the
         credit every plan is weighed with, and the gain a lend must show) lends each
@@ -110,20 +99,24 @@ class TailLending:
         most 543 s of the 584-606 s asked), and the base layout, chosen for 4, kept too
         few training cells: 1.262 of the bound at seed 0, 2.5% slower than with no
         lending; lent together, 1.238."""
-        first = self.candidate(obs, min_dwell_s)
-        if first is None:
+        if obs.runs_queued > 0:
             return []
-        chosen = [first]
-        rollout = sum(1 for c in obs.cells if c.role is Role.ROLLOUT)
-        for cell in releasable_cells(obs, min_dwell_s):
-            if len(self.lent) + len(chosen) >= self.cells(obs) or len(chosen) + 1 >= rollout:
-                break
-            if cell.cell_id == first.cell_id:
-                continue
+        train = [c for c in obs.cells if c.role is Role.TRAIN]
+        if len(train) < obs.min_train_cells or obs.train_ready_tokens <= 0 or any(
+                c.role in (Role.DRAINING, Role.LOADING) for c in obs.cells):
+            return []
+        if self.backlog_s(obs) < obs.handoff_to_train_s:
+            return []
+        room = min(self.cells(obs) - len(self.lent),
+                   sum(1 for c in obs.cells if c.role is Role.ROLLOUT) - 1)
+        chosen: list[CellObs] = []
+        runs = 0
+        for cell in releasable_cells(obs, min_dwell_s)[:max(0, room)]:
             leaving = {c.cell_id for c in chosen} | {cell.cell_id}
-            if sum(c.active_runs for c in chosen) + cell.active_runs > free_slots(obs, leaving):
+            if runs + cell.active_runs > free_slots(obs, leaving):
                 break  # the next are as loaded or more
             chosen.append(cell)
+            runs += cell.active_runs
         return chosen
 
     def backlog_s(self, obs: Observation) -> float:
