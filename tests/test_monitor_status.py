@@ -252,6 +252,8 @@ MISSHAPEN_EVENTS = [
     ({"kind": "microbatch", "tokens": [5]}, "'tokens' must be a number"),
     ({"kind": 5}, "an event without a kind"),
     ({"kind": "step", "step": 2, "mean_reward": {"a": 1}}, "'mean_reward' must be a number"),
+    # an integer past a float's range: OverflowError where it was checked for finite
+    ({"kind": "microbatch", "seconds": 10 ** 400}, "'seconds' must be seconds"),
 ]
 
 

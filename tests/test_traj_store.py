@@ -13,7 +13,7 @@ from traj_helpers import mk_call, mk_run
 
 from gyre_slurm.errors import UserError
 from gyre_slurm.traj.delta import decode_run
-from gyre_slurm.traj.records import collect_calls, parse_call
+from gyre_slurm.traj.records import collect_calls, collect_runs, parse_call
 from gyre_slurm.traj.store import (
     FILE_MAGIC, CallStoreReader, CallStoreWriter, RunBuffer, encode_record, load_store,
 )
@@ -163,6 +163,9 @@ BAD_LINES = [
      "output_ids[1] = 70000 is out of vocab (size 50000)"),
     ({"prompt_ids": [1001, 1.5]}, "prompt_ids must be a list of integers"),
     ({"output_logprobs": [float("nan")]}, "output_logprobs must be a list of finite numbers"),
+    # an integer past a float's range (JSON has no limit): a bad record, not an OverflowError
+    ({"output_logprobs": [-10 ** 400]}, "output_logprobs must be a list of finite numbers"),
+    ({"t_start": 10 ** 400}, "t_start and t_end must be finite numbers"),
     ({"output_logprobs": [0.5]}, "output_logprobs[0] = 0.5 is above 0: a log-probability is "
                                  "at most 0 (the sampler's log p of the token it drew)"),
     ({"policy_version": -1}, "policy_version must be an integer from 0 to 9223372036854775807"),
@@ -182,6 +185,17 @@ def test_bad_call_record_names_run_call_and_line(change, reason):
     assert (err.file, err.where, err.run_id, err.reason) == (
         "calls.jsonl", "line 3", "bad", reason)
     assert err.call == (None if "call" in change else 0)
+
+
+@pytest.mark.parametrize("reward", ["NaN", "Infinity", "1" + "0" * 400, "true", '"1"'])
+def test_a_run_record_whose_reward_is_no_finite_number_is_a_bad_record(reward):
+    lines = ['{"run_id": "ok", "status": "ok", "task_id": "t", "reward": 1}',
+             '{"run_id": "bad", "status": "ok", "task_id": "t", "reward": %s}' % reward]
+    runs, errors = collect_runs(lines, file="runs.jsonl")
+    assert list(runs) == ["ok"]
+    (err,) = errors
+    assert (err.where, err.run_id, err.reason) == ("line 2", "bad",
+                                                   "reward must be a finite number")
 
 
 @pytest.mark.parametrize("calls,reason", [

@@ -28,6 +28,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from gyre_slurm.common.values import is_int, is_number
+
 MAX_BODY_BYTES = 1 << 20
 BODY_TIMEOUT_S = 10.0
 IDLE_TIMEOUT_S = 75.0  # above the clients' own idle expiry (aiohttp 15 s), so no race
@@ -139,9 +141,9 @@ def fits(value: Any, tp: Any) -> bool:
     if origin in (typing.Union, types.UnionType):
         return any(fits(value, a) for a in args)
     if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return is_number(value)
     if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return is_int(value)
     if origin in (list, tuple) or tp in (list, tuple):
         return isinstance(value, list) and all(fits(v, args[0]) for v in value) if args \
             else isinstance(value, list)

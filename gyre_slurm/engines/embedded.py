@@ -71,6 +71,7 @@ from typing import Any
 from aiohttp import web
 
 from gyre_slurm.common import fsio
+from gyre_slurm.common.values import is_int
 from gyre_slurm.common.web import auth_middleware
 from gyre_slurm.engines.sampler import BadRequest, Released, Sampler, parse_generate
 from gyre_slurm.errors import UserError
@@ -149,7 +150,7 @@ def _path_version(body: Any) -> tuple[Path, int]:
     if not isinstance(body, dict) or "path" not in body or "version" not in body:
         raise BadRequest("body must be {\"path\": WEIGHTS_DIR, \"version\": V}")
     version = body["version"]
-    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+    if not is_int(version) or version < 0:
         raise BadRequest(f"version must be an integer >= 0, got {version!r}")
     return Path(str(body["path"])), version
 

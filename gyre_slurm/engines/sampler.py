@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gyre_slurm.common.values import is_int, is_number
 from gyre_slurm.models import tiny
 
 log = logging.getLogger(__name__)
@@ -72,10 +73,10 @@ def parse_generate(body: Any, *, vocab_size: int, max_positions: int) -> GenRequ
         raise BadRequest(f"prompt has {len(ids)} tokens; the model takes at most "
                          f"{max_positions} positions")
     max_tokens = body["max_tokens"]
-    if not _is_int(max_tokens) or max_tokens < 0:
+    if not is_int(max_tokens) or max_tokens < 0:
         raise BadRequest(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
     temperature = body.get("temperature", 1.0)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+    if not is_number(temperature) \
             or not 0 <= temperature <= MAX_TEMPERATURE:
         raise BadRequest(f"temperature must be a number from 0 to {MAX_TEMPERATURE:g}, "
                          f"got {temperature!r:.40}")
@@ -84,18 +85,14 @@ def parse_generate(body: Any, *, vocab_size: int, max_positions: int) -> GenRequ
         raise BadRequest("stop_token_ids must be a list of token ids")
     _check_ids(stop, "stop_token_ids", vocab_size)
     seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or not -(1 << 63) <= seed < (1 << 64)):
+    if seed is not None and (not is_int(seed) or not -(1 << 63) <= seed < (1 << 64)):
         raise BadRequest(f"seed must be a 64-bit integer, got {seed!r:.40}")
     return GenRequest(list(ids), max_tokens, float(temperature), frozenset(stop), seed)
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _check_ids(ids: list, name: str, vocab_size: int) -> None:
     for i, t in enumerate(ids):
-        if not _is_int(t) or not 0 <= t < vocab_size:
+        if not is_int(t) or not 0 <= t < vocab_size:
             raise BadRequest(f"{name}[{i}] = {t!r} is not a token id in [0, {vocab_size})")
 
 

@@ -29,6 +29,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gyre_slurm.common.values import is_int, is_number
 from gyre_slurm.config.sections import MAX_TEMPERATURE
 from gyre_slurm.gateway.errors import RequestError
 
@@ -78,16 +79,12 @@ class Choice:
     gyre: dict[str, Any] = field(default_factory=dict)
 
 
-def _int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _int_field(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int | None
                ) -> int | None:
     v = body.get(name)
     if v is None:
         return default
-    if not _int(v) or v < lo or (hi is not None and v > hi):
+    if not is_int(v) or v < lo or (hi is not None and v > hi):
         rng = f">= {lo}" if hi is None else f"from {lo} to {hi}"
         raise RequestError(f"{name} must be an integer {rng}, got {v!r:.40}")
     return v
@@ -100,7 +97,7 @@ def _number_field(body: dict[str, Any], name: str, default: float | None, lo: fl
     v = body.get(name)
     if v is None:
         return default
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    ok = is_number(v)
     if ok:
         try:
             f = float(v)
@@ -155,12 +152,12 @@ def parse_sampling(body: dict[str, Any], *, chat: bool) -> Sampling:
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
-    if max_tokens is not None and (not _int(max_tokens) or max_tokens < 0):
+    if max_tokens is not None and (not is_int(max_tokens) or max_tokens < 0):
         raise RequestError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
     temperature = _number_field(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
     _check_ignored(body)
     seed = body.get("seed")
-    if seed is not None and (not _int(seed) or not SEED_MIN <= seed <= SEED_MAX):
+    if seed is not None and (not is_int(seed) or not SEED_MIN <= seed <= SEED_MAX):
         raise RequestError(f"seed must be an integer from {SEED_MIN} to {SEED_MAX} (a 64-bit "
                            f"seed, choice i of n taking seed + i), got {seed!r:.40}")
     n = _int_field(body, "n", 1, 1, MAX_N)
@@ -243,7 +240,7 @@ def parse_prompt(body: dict[str, Any], vocab_size: int) -> str | list[int]:
         if not prompt:
             raise RequestError("the prompt is empty")
         return prompt
-    if isinstance(prompt, list) and prompt and all(_int(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside [0, {vocab_size})")

@@ -44,13 +44,13 @@ Derived figures (all from events unless said otherwise):
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre_slurm.common.fsio import BadLine, parse_jsonl
+from gyre_slurm.common.values import is_finite_number, is_int, is_number
 from gyre_slurm.errors import UserError
 
 FAILURE_KINDS = ("agent_lost", "handoff_failed")
@@ -63,14 +63,6 @@ WINDOW_S = 60.0
 # traceback where they read it. Each check names the first field that does not fit: an
 # event is then skipped and reported like a corrupt line, a status.json is treated like
 # a garbled one (the last good status is kept).
-def finite_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _count(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _list_of(check):
     def whole(v) -> bool:
         return isinstance(v, list) and all(check(x) for x in v)
@@ -86,12 +78,8 @@ def _str(v) -> bool:
     return isinstance(v, str)
 
 
-def _real(v) -> bool:  # a number, NaN included (a diverged loss, no reward to average)
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _metric(v) -> bool:  # a step's training signal: a number or a table (lags)
-    return v is None or isinstance(v, dict) or _real(v)
+    return v is None or isinstance(v, dict) or is_number(v)
 
 
 # kind -> {field: (required, check, what it must be)}; every event has a kind and a time
@@ -99,21 +87,21 @@ EVENT_FIELDS: dict[str, dict[str, tuple[bool, Callable, str]]] = {
     "layout": {"roles": (True, _list_of(_str), "a list of role names")},
     "handoff": {"direction": (True, lambda v: isinstance(v, str) and "->" in v,
                               "'<from>-><to>'"),
-                "cells": (True, _list_of(_count), "a list of cell numbers"),
-                "total_s": (False, finite_number, "seconds"),
-                "drain_s": (False, finite_number, "seconds")},
-    "handoff_cancelled": {"drain_s": (False, finite_number, "seconds")},
-    "step": {"step": (True, _count, "a step number"),
-             "mean_reward": (False, _real, "a number"),
-             "seconds": (False, finite_number, "seconds"),
-             "trajectories": (False, finite_number, "a number"),
-             "tokens": (False, finite_number, "a number"),
+                "cells": (True, _list_of(is_int), "a list of cell numbers"),
+                "total_s": (False, is_finite_number, "seconds"),
+                "drain_s": (False, is_finite_number, "seconds")},
+    "handoff_cancelled": {"drain_s": (False, is_finite_number, "seconds")},
+    "step": {"step": (True, is_int, "a step number"),
+             "mean_reward": (False, is_number, "a number"),  # NaN: no reward to average
+             "seconds": (False, is_finite_number, "seconds"),
+             "trajectories": (False, is_finite_number, "a number"),
+             "tokens": (False, is_finite_number, "a number"),
              "metrics": (False, lambda v: isinstance(v, dict) and all(
                  _metric(x) for x in v.values()), "an object of numbers")},
-    "microbatch": {"tokens": (False, finite_number, "a number"),
-                   "seconds": (False, finite_number, "seconds")},
+    "microbatch": {"tokens": (False, is_finite_number, "a number"),
+                   "seconds": (False, is_finite_number, "seconds")},
     "run_end": {"status": (False, _opt(_str), "a string")},
-    "finish": {"wall_s": (False, finite_number, "seconds")},
+    "finish": {"wall_s": (False, is_finite_number, "seconds")},
 }
 
 
@@ -135,33 +123,33 @@ def event_error(e: dict) -> str | None:
     """What is wrong with an event for the monitor, or None."""
     if not isinstance(e.get("kind"), str):
         return "an event without a kind"
-    if not finite_number(e.get("t")):
+    if not is_finite_number(e.get("t")):
         return f"a {e['kind']} event whose time is not a finite number"
     return _fields_error(e, EVENT_FIELDS.get(e["kind"], {}), f"a {e['kind']} event")
 
 
 _SAMPLE = lambda v: isinstance(v, dict) and all(  # noqa: E731 (a waterlevel sample)
-    finite_number(x) for k, x in v.items() if k in ("t", "waterlevel", "in_flight", "queued",
+    is_finite_number(x) for k, x in v.items() if k in ("t", "waterlevel", "in_flight", "queued",
                                                "rollout_cells", "train_cells"))
 STATUS_FIELDS: dict[str, tuple[bool, Callable, str]] = {
-    "t": (False, finite_number, "a time"), "elapsed_s": (False, finite_number, "seconds"),
+    "t": (False, is_finite_number, "a time"), "elapsed_s": (False, is_finite_number, "seconds"),
     "final": (False, lambda v: isinstance(v, bool), "true or false"),
-    "policy": (False, _str, "a string"), "version": (False, _count, "a whole number"),
-    "num_steps": (False, _opt(_count), "a whole number"),
+    "policy": (False, _str, "a string"), "version": (False, is_int, "a whole number"),
+    "num_steps": (False, _opt(is_int), "a whole number"),
     "cells": (False, lambda v: isinstance(v, list) and all(isinstance(c, dict) for c in v),
               "a list of cells"),
     "runs": (False, lambda v: isinstance(v, dict), "an object"),
     "train": (False, lambda v: isinstance(v, dict), "an object"),
-    "rewards": (False, _list_of(lambda r: isinstance(r, dict) and _count(r.get("step")) and (
-        isinstance(r.get("mean_reward"), float) or _count(r.get("mean_reward")))),
+    "rewards": (False, _list_of(lambda r: isinstance(r, dict) and is_int(r.get("step")) and (
+        isinstance(r.get("mean_reward"), float) or is_int(r.get("mean_reward")))),
         "a list of {step, mean_reward}"),
     "waterlevel": (False, _opt(_SAMPLE), "a waterlevel sample"),
     "waterlevel_history": (False, _list_of(_SAMPLE), "a list of waterlevel samples"),
 }
 CELL_FIELDS: dict[str, tuple[bool, Callable, str]] = {
-    "cell": (True, _count, "a cell number"), "nodes": (False, _list_of(_str), "a list of names"),
+    "cell": (True, is_int, "a cell number"), "nodes": (False, _list_of(_str), "a list of names"),
     "role": (False, _str, "a role name"), "target": (False, _opt(_str), "a role name"),
-    "runs": (False, _count, "a whole number"),
+    "runs": (False, is_int, "a whole number"),
 }
 
 

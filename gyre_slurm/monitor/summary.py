@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from gyre_slurm.common.fsio import read_jsonl
-from gyre_slurm.monitor.model import event_error, finite_number, read_status_checked
+from gyre_slurm.common.values import is_finite_number
+from gyre_slurm.monitor.model import event_error, read_status_checked
 
 REWARD_STEPS = 5  # the reward "at the start" and "at the end": mean of this many steps
 
@@ -46,7 +47,7 @@ def summarize(events: Iterable[dict], runs: Iterable[dict], status: dict) -> dic
             wall_s = e.get("wall_s")
     if wall_s is None and started is not None and last_t is not None:
         wall_s = last_t - started  # stopped or failed: up to its last event
-    rewards = [s["mean_reward"] for s in steps if finite_number(s.get("mean_reward"))]
+    rewards = [s["mean_reward"] for s in steps if is_finite_number(s.get("mean_reward"))]
     ended = Counter(r.get("status", "?") for r in runs)
     return {
         "version": status.get("version", len(steps)), "num_steps": status.get("num_steps"),

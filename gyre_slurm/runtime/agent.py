@@ -29,6 +29,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from gyre_slurm.common.values import is_number
 from gyre_slurm.config.schema import load_config
 from gyre_slurm.models.tiny import weights_dir
 from gyre_slurm.runtime.control import ControlClient, make_app
@@ -342,7 +343,7 @@ def _merge(results: list[dict], *, how) -> dict:
     merged: dict = {}
     for res in results:
         for key, value in res.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if is_number(value):
                 merged[key] = how(merged[key], value) if key in merged else value
     return merged
 

@@ -18,12 +18,12 @@ run while it trains.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gyre_slurm.common.fsio import append_jsonl, read_jsonl
+from gyre_slurm.common.values import is_finite_number
 
 if TYPE_CHECKING:
     from gyre_slurm.runtime.book import StepBook
@@ -55,8 +55,7 @@ class MetricsLog:
         append_jsonl(self.path, line)
         tb = self._writer()
         for tag, value in figures.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) \
-                    and math.isfinite(value):
+            if is_finite_number(value):
                 tb.add_scalar(tag, value, global_step=step)
         hist = figures.get("staleness/lag_hist") or {}
         if hist:

@@ -35,6 +35,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from gyre_slurm.common.values import is_number
+
 
 def merge(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any]:
     """Combine two measurement dicts (module doc); neither is changed."""
@@ -45,7 +47,7 @@ def merge(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any]:
             out[key] = value
         elif isinstance(value, dict) and isinstance(have, dict):
             out[key] = merge(have, value)
-        elif _number(value) and _number(have):
+        elif is_number(value) and is_number(have):
             out[key] = max(have, value) if key.endswith("_max") else have + value
     return out
 
@@ -55,10 +57,6 @@ def merge_all(items: Iterable[dict[str, Any] | None]) -> dict[str, Any]:
     for item in items:
         out = merge(out, item)
     return out
-
-
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _ratio(num: float, den: float) -> float | None:

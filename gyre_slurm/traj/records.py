@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from gyre_slurm.common.values import is_finite_number, is_int
 from gyre_slurm.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -130,10 +130,6 @@ def _require(cond: bool, reason: str, run_id: str | None, call: int | None) -> N
         raise BadRecord(reason, run_id=run_id, call=call)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def id_array(values: Any, *, name: str, vocab_size: int | None = None) -> np.ndarray:
     """A list of token ids as int32, or ValueError saying what is wrong with it."""
     if not isinstance(values, (list, tuple, np.ndarray)):
@@ -174,6 +170,8 @@ def logprob_array(values: Any, *, name: str) -> np.ndarray:
             arr = np.asarray(values, dtype=np.float32)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a list of numbers") from None
+    except OverflowError:  # an integer past a float's range (JSON has no limit)
+        raise ValueError(f"{name} must be a list of finite numbers") from None
     if arr.ndim != 1 or not np.all(np.isfinite(arr)):
         raise ValueError(f"{name} must be a list of finite numbers")
     if arr.max() > LOGPROB_SLACK:  # the importance ratio would divide by a probability > 1
@@ -192,7 +190,7 @@ def _header(obj: Any) -> tuple[str, int]:
     _require(len(run_id.encode("utf-8", "surrogatepass")) <= MAX_NAME_BYTES,
              f"run_id must be at most {MAX_NAME_BYTES:,} bytes", run_id[:64], None)
     call = obj.get("call")
-    _require(_is_int(call) and 0 <= call <= MAX_CALL,
+    _require(is_int(call) and 0 <= call <= MAX_CALL,
              f"call must be an integer from 0 to {MAX_CALL}", run_id, None)
     return run_id, call
 
@@ -212,11 +210,10 @@ def parse_call(obj: Any, *, vocab_size: int | None = None) -> CallRecord:
     _require(len(output) == len(logprobs),
              f"{len(output)} output_ids but {len(logprobs)} output_logprobs", run_id, call)
     version = obj["policy_version"]
-    _require(_is_int(version) and 0 <= version <= MAX_VERSION,
+    _require(is_int(version) and 0 <= version <= MAX_VERSION,
              f"policy_version must be an integer from 0 to {MAX_VERSION}", run_id, call)
     times = [obj.get(k, 0.0) for k in ("t_start", "t_end")]
-    _require(all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
-                 for t in times), "t_start and t_end must be finite numbers", run_id, call)
+    _require(all(is_finite_number(t) for t in times), "t_start and t_end must be finite numbers", run_id, call)
     finish = obj.get("finish_reason", "")
     _require(isinstance(finish, str)
              and len(finish.encode("utf-8", "surrogatepass")) <= MAX_NAME_BYTES,
@@ -240,8 +237,7 @@ def parse_run(obj: Any) -> RunRecord:
     _require(isinstance(task_id, (str, int)) and not isinstance(task_id, bool),
              "task_id must be a string", run_id, None)
     reward = obj.get("reward", 0.0 if status != "ok" else None)
-    _require(isinstance(reward, (int, float)) and not isinstance(reward, bool)
-             and math.isfinite(reward), "reward must be a finite number", run_id, None)
+    _require(is_finite_number(reward), "reward must be a finite number", run_id, None)
     reason = obj.get("reason", obj.get("error", ""))
     extra = {k: v for k, v in obj.items()
              if k not in ("run_id", "task_id", "reward", "status", "reason")}
