@@ -7,7 +7,9 @@ through the run's gateway URL with the run's own key, and its reward is the run'
                               run_seed=..., log_path=RUN_DIR/logs/env-<run_id>.log)
 
 The record has the agent loop's fields (run_id, task_id, reward, status, num_calls,
-error, t_start, t_end) and the environment's `info` under "env_info".
+error, t_start, t_end) and the environment's `info` under "env_info". Whatever the
+environment raises, and a reward that is not a finite number, fails the run (status
+"failed", `error` says why), never the job.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gyre_slurm.errors import UserError
+from gyre_slurm.envs.base import run_reward
 
 
 def drives_itself(env) -> bool:
@@ -36,8 +38,9 @@ async def run_driven(*, env, task, run_id: str, gateway, gateway_url: str,
         result = await env.drive(base_url=f"{gateway_url}/runs/{run_id}/v1", api_key=key,
                                  model=gateway.model_name, log_path=log_path,
                                  max_tokens=max_tokens, temperature=temperature)
-        record.update(status="ok", reward=float(result.reward), env_info=result.info)
-    except (RuntimeError, UserError, OSError) as exc:  # the run fails, not the job
+        record.update(status="ok", env_info=result.info,
+                      reward=run_reward(result.reward, env_name=getattr(env, "name", "?")))
+    except Exception as exc:  # noqa: BLE001 - whatever the env raises fails the run, not the job
         record["error"] = f"{type(exc).__name__}: {exc}"[:4000]
     record.update(num_calls=gateway.calls_of(run_id), t_end=time.time())
     return record

@@ -18,8 +18,8 @@ Ending a run (never raises; the environment is not closed, the caller owns it):
 - the env says done: status "ok", reward = the final step's reward;
 - `max_turns` model calls made and the env not done: status "timeout", reward 0.0;
 - an HTTP call fails (non-2xx, timeout after `call_timeout_s`, connection error, a
-  body without choices[0].message), or the env raises: status "failed", reward 0.0,
-  `error` says why (for non-2xx: "HTTP <status>: <body, first 200 chars>").
+  body without choices[0].message), the env raises, or it pays a reward that is not a
+  finite number (`envs.base.run_reward`): status "failed", reward 0.0, `error` says why (for non-2xx: "HTTP <status>: <body, first 200 chars>").
 
 Run record (`RunResult.to_record()`, docs/runtime.md): {"run_id", "task_id", "reward",
 "status": "ok"|"failed"|"timeout", "num_calls", "num_compactions", "error": null|str,
@@ -38,7 +38,7 @@ from typing import Any
 
 import aiohttp
 
-from gyre_slurm.envs.base import Environment, TaskSpec
+from gyre_slurm.envs.base import Environment, TaskSpec, run_reward
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ async def _episode(session, *, env: Environment, task: TaskSpec, url: str, api_k
         state.num_calls += 1
         res = await env.step(action)
         if res.done:
-            return "ok", float(res.reward)
+            return "ok", run_reward(res.reward, env_name=getattr(env, "name", "?"))
         messages = messages + [{"role": "assistant", "content": action},
                                {"role": "user", "content": res.observation}]
         if state.context_tokens + rough_tokens(res.observation) > budget:

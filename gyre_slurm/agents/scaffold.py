@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre_slurm.agents.external import mini_swe_agent_config
+from gyre_slurm.envs.base import run_reward
 from gyre_slurm.envs.sandbox import (HIDDEN, SANDBOX_PATH, default_sandbox_uid, drop_argv,
                                      ensure_bwrap, system_mounts)
 from gyre_slurm.errors import UserError
@@ -272,9 +273,13 @@ async def run_scaffold(runner: ScaffoldRunner, *, env, task, run_id: str, gatewa
                   scaffold={"status": result.status, "exit_code": result.exit_code,
                             "log": result.log_path})
     if result.status == "ok":  # the check, outside the scaffold's reach: it is gone
-        final = await env.evaluate()
-        record.update(status="ok", reward=float(final.reward),
-                      tests=final.info.get("tests"))
+        try:
+            final = await env.evaluate()
+            reward = run_reward(final.reward, env_name=getattr(env, "name", "?"))
+        except Exception as exc:  # noqa: BLE001 - an env failure ends the run, not the job
+            record.update(error=f"environment error: {type(exc).__name__}: {exc}"[:4000])
+        else:
+            record.update(status="ok", reward=reward, tests=final.info.get("tests"))
     else:
         record.update(status=result.status, error=result.error)
     record["t_end"] = time.time()

@@ -15,7 +15,9 @@ task (tool latency, noise), so that a workload replays exactly: the runtime pass
 `env.system_prompt` (a string, set by `reset` for the task) is the system message an
 agent puts first. `step` after `done` raises `RuntimeError`. The reward of a step is
 the reward earned by that step; environments here pay only on the last step, so the
-run's reward is the `reward` of the final `StepResult`.
+run's reward is the `reward` of the final `StepResult`. It must be a finite number
+(`run_reward`): a run whose env pays NaN, an infinity, a string or None fails with
+that said, rather than making its whole group's advantages NaN.
 
 `info` is a dict of JSON-able facts about the step (each env documents its keys).
 `close` releases what the env holds (files, processes); a closed env may be `reset`
@@ -42,6 +44,7 @@ task one seed).
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -55,6 +58,24 @@ class StepResult:
     reward: float
     done: bool
     info: dict[str, Any] = field(default_factory=dict)
+
+
+def run_reward(value: Any, *, env_name: str) -> float:
+    """A run's final reward as a float, or ValueError saying what is wrong with it. Any
+    real number passes (a bool, numpy's and torch's scalars: what `float` takes); a
+    string is refused even where `float` would read it (a reward of "0.5" is an env's
+    mistake), and so are NaN, the infinities and integers past a float's range: one such
+    reward makes the mean, and so every advantage, of its group NaN."""
+    if not isinstance(value, (str, bytes)) and value is not None:
+        try:
+            reward = float(value)
+        except (TypeError, ValueError, OverflowError, RuntimeError):  # torch: RuntimeError
+            pass
+        else:
+            if math.isfinite(reward):
+                return reward
+    raise ValueError(f"environment {env_name!r} paid the reward {value!r:.60} "
+                     f"({type(value).__name__}): a run's reward must be a finite number")
 
 
 @dataclass(frozen=True)

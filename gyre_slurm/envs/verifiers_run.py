@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import sys
 
@@ -86,7 +85,9 @@ async def one_rollout(args: argparse.Namespace) -> dict:
     kind = error.get("error") if isinstance(error, dict) else None
     if isinstance(error, dict):
         error = f"{kind}: {error.get('message')}"
-    return {"reward": reward if math.isfinite(reward) else 0.0,
+    # a NaN or infinite score goes back as it is (JSON's NaN, Infinity): the parent
+    # fails the run on it (envs.base.run_reward) rather than training a made-up 0
+    return {"reward": reward,
             "metrics": {k: float(v) for k, v in (out.get("metrics") or {}).items()
                         if isinstance(v, (int, float))},
             "example_id": row["example_id"],

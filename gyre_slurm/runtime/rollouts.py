@@ -180,8 +180,17 @@ class RolloutManager:
             interrupted = False
             record = {"run_id": entry.run_id, "task_id": task.task_id, "reward": 0.0,
                       "status": "timeout", "error": f"run exceeded {agent.run_timeout_s:g}s"}
+        except Exception as exc:  # noqa: BLE001 - a run that raised must still end:
+            # left unfinished, its group would never close and the job would wait on it
+            log.exception("run %s raised", entry.run_id)
+            interrupted = False
+            record = {"run_id": entry.run_id, "task_id": task.task_id, "reward": 0.0,
+                      "status": "failed", "error": f"{type(exc).__name__}: {exc}"[:4000]}
         finally:
-            await env.close()
+            try:
+                await env.close()
+            except Exception:  # noqa: BLE001 - the run's record stands
+                log.exception("run %s: closing its environment raised", entry.run_id)
         record.update(step=entry.step, prompt=entry.prompt, member=entry.member)
         if interrupted and entry.attempt + 1 < faults.max_run_attempts:
             self.restart(entry.run_id, reason=record["error"])
