@@ -66,6 +66,8 @@ GATEWAY_BAD = BAD_BODIES + [
 AGENT_BAD = BAD_BODIES + [
     ("arg-type", None, JSON, _body({"version": "seven"}), 400),
     ("arg-float", None, JSON, b'{"version": 1e400}', 400),
+    ("arg-inf", None, JSON, b'{"version": 1, "backoff_s": 1e400}', 400),
+    ("arg-huge", None, JSON, b'{"version": 1, "backoff_s": 1' + b"0" * 400 + b"}", 400),
     ("arg-missing", None, JSON, b"{}", 400),
     ("arg-unknown", None, JSON, _body({"version": 1, "rm": "-rf"}), 400),
     ("no-command", "/cmd/nope", JSON, b"{}", 404),
@@ -202,7 +204,7 @@ class Commands:
         payload = await request.json() if request.can_read_body else {}
         return web.json_response(await fn(**payload))
 
-    async def cmd_start_engine(self, *, version: int) -> dict:
+    async def cmd_start_engine(self, *, version: int, backoff_s: float = 0.0) -> dict:
         self.calls.append(version)
         return {"version": version}
 

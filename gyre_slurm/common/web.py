@@ -28,7 +28,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from gyre_slurm.common.values import is_int, is_number
+from gyre_slurm.common.values import is_finite_number, is_int
 
 MAX_BODY_BYTES = 1 << 20
 BODY_TIMEOUT_S = 10.0
@@ -140,8 +140,8 @@ def fits(value: Any, tp: Any) -> bool:
         return value is None
     if origin in (typing.Union, types.UnionType):
         return any(fits(value, a) for a in args)
-    if tp is float:
-        return is_number(value)
+    if tp is float:  # finite: 1e400 decodes to inf, and 1 then 400 zeros to no float
+        return is_finite_number(value)
     if tp is int:
         return is_int(value)
     if origin in (list, tuple) or tp in (list, tuple):
