@@ -82,6 +82,22 @@ def test_overrides_go_through_the_same_checks():
         load_config(None, ["cluster.nodes=8"])
 
 
+def test_numbers_past_what_a_float_or_python_reads_are_config_errors():
+    """An integer past a float's range in a float key raised OverflowError; one past
+    Python's 4,300 digits (or a date with a 13th month) raised ValueError from PyYAML,
+    and the --set item came back whole in the message."""
+    with pytest.raises(ConfigError, match="scheduler.confirm_s: expected a finite number, "
+                                          "got an integer of 401 digits"):
+        load_config(None, ["scheduler.confirm_s=1" + "0" * 400])
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["workload.num_steps=1" + "0" * 5000])
+    msg = str(err.value)
+    assert "(5,020 characters): the value is not valid YAML: a value cannot be read" in msg
+    assert len(msg) < 600
+    with pytest.raises(ConfigError, match="not valid YAML: a value cannot be read: month"):
+        load_config(None, ["workload.num_steps=2024-13-45"])
+
+
 def test_yaml_file_errors(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("cluster: [1, 2\n")

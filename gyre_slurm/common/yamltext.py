@@ -7,7 +7,8 @@ and whatever walks the result (a schema check, a dump) then runs for ever. `load
 counts the values as the data would be walked, aliases expanded, and refuses past
 MAX_VALUES; an ordinary anchor that saves repeating a section passes. A document nested
 deeper than PyYAML's recursive composer goes (about a thousand levels) is a UserError too,
-not the RecursionError it raises.
+not the RecursionError it raises, and so is a scalar PyYAML cannot build (an integer of
+more than 4,300 digits, a date with a 13th month): not the ValueError it raises.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def load_yaml(text: str, *, what: str) -> Any:
     except RecursionError:  # PyYAML composes nested collections recursively
         raise UserError(f"{what} nests its lists or mappings too deeply to load "
                         f"(hundreds of levels); flatten it") from None
+    except ValueError as exc:  # a scalar PyYAML matched but cannot build: an integer
+        # past Python's 4,300 digits, a date like 2024-13-45 (month 13)
+        raise UserError(f"{what} is not valid YAML: a value cannot be read: {exc}") from None
     check_size(data, what=what)
     return data
 

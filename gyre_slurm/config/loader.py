@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import re
 import types
 import typing
@@ -26,6 +25,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import yaml
 
+from gyre_slurm.common.values import is_finite_number, is_int, is_number
 from gyre_slurm.common.yamltext import load_yaml, read_yaml
 from gyre_slurm.errors import ConfigError, UserError
 
@@ -88,17 +88,18 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     out = _deep_copy(data)
     for item in overrides:
         key, sep, raw = item.partition("=")
+        shown = repr(item) if len(item) <= 120 else f"{item[:100]!r}... ({len(item):,} characters)"
         if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected KEY.PATH=VALUE, e.g. cluster.num_nodes=8")
+            raise ConfigError(f"--set {shown}: expected KEY.PATH=VALUE, e.g. cluster.num_nodes=8")
         parts = key.strip().split(".")
         node = out
         for part in parts[:-1]:
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise ConfigError(f"--set {item!r}: {part!r} is a value, not a section")
+                raise ConfigError(f"--set {shown}: {part!r} is a value, not a section")
             node = child
         try:
-            node[parts[-1]] = load_yaml(raw, what=f"--set {item!r}: the value") \
+            node[parts[-1]] = load_yaml(raw, what=f"--set {shown}: the value") \
                 if raw.strip() else ""
         except UserError as exc:
             raise ConfigError(str(exc)) from exc
@@ -206,16 +207,17 @@ def _convert_scalar(tp: Any, value: Any, *, path: str) -> Any:
     if tp is float:
         if isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
             value = float(value)  # YAML 1.1 reads `1e9` as a string; take it as meant
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not is_number(value):
             raise ConfigError(f"{path}: expected a number, got {_describe(value)}")
-        if not math.isfinite(float(value)):  # no key means "never" or "none" by .inf/.nan
-            raise ConfigError(f"{path}: expected a finite number, got {value}")
+        if not is_finite_number(value):  # no key means "never" or "none" by .inf/.nan
+            got = f"an integer of {len(str(value))} digits" if is_int(value) else value
+            raise ConfigError(f"{path}: expected a finite number, got {got}")
         if path.endswith("_s") and abs(float(value)) > MAX_SECONDS:
             raise ConfigError(f"{path} must be <= {MAX_SECONDS:g} (seconds: about 32 years, "
                               f"longer than any job; check its unit), got {float(value):g}")
         return float(value)
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_int(value):
             raise ConfigError(f"{path}: expected an integer, got {_describe(value)}")
         return value
     if tp is bool:
