@@ -221,6 +221,13 @@ def test_json_nested_too_deep_is_a_corrupt_line_or_a_garbled_status(run_copy, gy
     bad = []
     assert list(read_jsonl(runs, on_bad=bad.append)) == good + [{"run_id": "after"}]
     assert len(bad) == 1 and "recursion" in bad[0].reason
+    # an integer past Python's 4,300 digits: a plain ValueError, not a JSONDecodeError
+    with open(runs, "ab") as f:
+        f.write(b'{"run_id": "huge", "reward": 1' + b"0" * 5000 + b"}\n")
+    append_jsonl(runs, {"run_id": "later"})
+    bad = []
+    assert [r["run_id"] for r in read_jsonl(runs, on_bad=bad.append)][-2:] == ["after", "later"]
+    assert len(bad) == 2 and "4300 digits" in bad[1].reason
     (run_copy / "status.json").write_bytes(deep)
     js = gyre("status", str(run_copy), "--json", check=False)
     assert js.returncode == 2 and "garbled" in js.stderr and "Traceback" not in js.stderr

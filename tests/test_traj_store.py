@@ -275,3 +275,19 @@ def test_a_line_nested_too_deep_to_decode_leaves_its_run_out():
     (err,) = loaded.errors
     assert (err.run_id, err.where) == ("q17-r3", "line 3")
     assert "nested too deep" in err.reason
+
+
+def test_a_line_with_an_integer_past_pythons_digits_leaves_its_run_out():
+    """An integer of 5,000 digits is a ValueError out of json.loads (Python's 4,300-digit
+    limit), not a JSONDecodeError: it escaped the reader."""
+    other = json.dumps(mk_call(0, S, [2001], run_id="other").to_json())
+    huge = json.dumps(mk_call(0, S, [2001], run_id="q1").to_json())[:-1] + \
+        ', "x": 1' + "0" * 5000 + "}"
+    loaded = collect_calls([other, huge], file="calls.jsonl")
+    assert list(loaded.runs) == ["other"]
+    (err,) = loaded.errors
+    assert (err.run_id, err.call, err.where) == ("q1", 0, "line 2")
+    assert err.reason.startswith("not a record: Exceeds the limit (4300 digits)")
+    runs, errors = collect_runs(['{"run_id": "r", "status": "ok", "task_id": "t", '
+                                 '"reward": 1' + "0" * 5000 + "}"], file="runs.jsonl")
+    assert not runs and errors[0].run_id == "r"

@@ -115,7 +115,7 @@ async def chat(session: aiohttp.ClientSession, *, url: str, api_key: str, body: 
         content = data["choices"][0]["message"].get("content") or ""
         usage = data.get("usage") or {}
         used = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise CallError(f"model call returned bad JSON: {exc}") from exc
     except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
         raise CallError(f"model call returned no choices[0].message: {exc!r}") from exc

@@ -152,7 +152,8 @@ def parse_jsonl(data: bytes, *, path: str, start_line: int = 1, start_offset: in
             reason = None if isinstance(obj, dict) else f"not a JSON object: {raw[:60]!r}"
             if reason is None and check is not None and (why := check(obj)):
                 reason = f"{why}: {raw[:60]!r}"
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, an integer
+            # past Python's 4,300 digits (a plain ValueError), nested too deep
             obj, reason = None, f"corrupt line ({exc}): {raw[:60]!r}"
         if reason is None:
             yield obj

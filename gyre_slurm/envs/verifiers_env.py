@@ -53,7 +53,7 @@ class VerifiersEnv:
                             "environment (its load_environment id)")
         try:
             args = json.loads(env_args)
-        except (json.JSONDecodeError, RecursionError) as exc:
+        except (ValueError, RecursionError) as exc:
             raise UserError(f"agent.env_params.env_args is not JSON ({exc}): give a JSON "
                             "object, e.g. '{\"turns\": 3}'") from None
         if not isinstance(args, dict):
@@ -133,7 +133,7 @@ class VerifiersEnv:
     def _result(self, raw: bytes, code: int, log_path: Path) -> StepResult:
         try:
             out: dict[str, Any] = json.loads(raw) if raw else {}
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):
             out = {}
         if code != 0 or not out or out.get("failed") or (out.get("error")
                                                          and not out.get("policy_error")):

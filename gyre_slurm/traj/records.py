@@ -274,6 +274,9 @@ def iter_json_lines(lines: Iterable[str]) -> Iterator[tuple[int, Any]]:
             run_id, call = _peek(line)
             yield num, BadRecord(f"not JSON: {exc.msg} at column {exc.colno}",
                                  run_id=run_id, call=call)
+        except ValueError as exc:  # an integer past Python's 4,300 digits
+            run_id, call = _peek(line)
+            yield num, BadRecord(f"not a record: {exc}", run_id=run_id, call=call)
         except RecursionError:  # nested deeper than Python decodes: no record of ours
             run_id, call = _peek(line)
             yield num, BadRecord("not a record: JSON nested too deep to decode",
