@@ -110,6 +110,9 @@ def test_sbatch_runs_the_tiny_job_with_handoffs_and_requeues_on_usr2(slurm_clust
     directions = Counter(e["direction"] for e in events if e["kind"] == "handoff")
     assert directions["rollout->train"] >= 1, directions
     assert (run_dir / "logs" / "agent-node3.log").exists()
+    # trainer.warm_up auto: under Slurm the ranks warm up as they start (not with the
+    # local launcher, whose virtual nodes share the host's cores: test_runtime_e2e.py)
+    assert "warmed up in" in (run_dir / "logs" / "trainer-node3-r0.log").read_text()
 
 
 def test_gyre_submit_end_to_end(slurm_cluster, tmp_path):

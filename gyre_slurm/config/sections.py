@@ -481,6 +481,12 @@ class TrainerConfig:
     ranks_per_node: int | None = key(
         None, "training processes per node (null: megatron one per GPU, or 1 without GPUs; "
               "torch 1)")
+    warm_up: Literal["auto", "always", "never"] = key(
+        "auto", "a training rank pays its first build's one-time costs (the torch trainer: "
+                "the model built once on the meta device) as it starts, not at its first "
+                "join; auto: not with the local launcher, whose virtual nodes share the "
+                "host's cores (there the warm-ups slow the engine starts the layout waits "
+                "for)")
     pace: bool = key(False, "hold each micro-batch to training.node_tokens_per_s per node: "
                             "benchmarks whose virtual nodes share CPU cores get the pace of "
                             "nodes with their own accelerators (the training still runs)")

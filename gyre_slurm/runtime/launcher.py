@@ -60,7 +60,7 @@ class LocalLauncher:
             logf = open(self.run_dir / "logs" / f"agent-node{i + 1}.log", "ab")
             cmd = [self.python, "-m", "gyre_slurm.runtime.agent", "--run-dir", str(self.run_dir),
                    "--node-index", str(i), "--addr", self.addr(i),
-                   "--coordinator", coordinator_url]
+                   "--coordinator", coordinator_url, "--shared-host"]
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
             logf.close()

@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--distributed-optimizer", type=lambda v: v.lower() in ("1", "true", "yes"),
                    default=False, help="true: Megatron's distributed optimizer (megatron)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads")
+    p.add_argument("--warm-up", type=lambda v: v.lower() in ("1", "true", "yes"),
+                   default=True, help="pay the first build's one-time costs now "
+                   "(trainer.warm_up), not at the first join")
     p.add_argument("--loss", default=None, help="the loss and its settings, JSON "
                    "(gyre_slurm.train.loss.LossSettings; default ppo_clip)")
     args = p.parse_args(argv)
@@ -204,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     failpoint = parse_failpoint(os.environ.get(FAILPOINT_ENV, ""), args.node_index)
     worker = make_worker(args)
     answers.write(json.dumps({"id": 0, "result": {"ready": True, "pid": os.getpid()}}) + "\n")
-    warm_up(worker)
+    if args.warm_up:
+        warm_up(worker)
     for line in sys.stdin:
         if not line.strip():
             continue
