@@ -1,3 +1,4 @@
 from gyre_slurm.cli import main
+from gyre_slurm.common.fastexit import exit_now
 
-raise SystemExit(main())
+exit_now(main())

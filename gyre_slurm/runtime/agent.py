@@ -82,9 +82,9 @@ class NodeAgent:
         self._warm_ranks()
         await self.stopping.wait()
         beat.cancel()
-        await self.shutdown_engine()
-        if self.ranks is not None:
-            await self.ranks.stop()
+        # the engines and the ranks stop together: each takes seconds to exit
+        await asyncio.gather(self.shutdown_engine(),
+                             self.ranks.stop() if self.ranks is not None else asyncio.sleep(0))
         await runner.cleanup()
         await self.coordinator.close()
 

@@ -229,4 +229,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from gyre_slurm.common.fastexit import exit_now
+
+    exit_now(main())
