@@ -19,7 +19,8 @@ Ending a run (never raises; the environment is not closed, the caller owns it):
 - `max_turns` model calls made and the env not done: status "timeout", reward 0.0;
 - an HTTP call fails (non-2xx, timeout after `call_timeout_s`, connection error, a
   body without choices[0].message), the env raises, or it pays a reward that is not a
-  finite number (`envs.base.run_reward`): status "failed", reward 0.0, `error` says why (for non-2xx: "HTTP <status>: <body, first 200 chars>").
+  finite number (`envs.base.run_reward`): status "failed", reward 0.0, `error` says
+  why (for non-2xx: "HTTP <status>: <body, first 200 chars>").
 
 Run record (`RunResult.to_record()`, docs/runtime.md): {"run_id", "task_id", "reward",
 "status": "ok"|"failed"|"timeout", "num_calls", "num_compactions", "error": null|str,

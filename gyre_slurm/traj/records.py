@@ -213,7 +213,8 @@ def parse_call(obj: Any, *, vocab_size: int | None = None) -> CallRecord:
     _require(is_int(version) and 0 <= version <= MAX_VERSION,
              f"policy_version must be an integer from 0 to {MAX_VERSION}", run_id, call)
     times = [obj.get(k, 0.0) for k in ("t_start", "t_end")]
-    _require(all(is_finite_number(t) for t in times), "t_start and t_end must be finite numbers", run_id, call)
+    _require(all(is_finite_number(t) for t in times),
+             "t_start and t_end must be finite numbers", run_id, call)
     finish = obj.get("finish_reason", "")
     _require(isinstance(finish, str)
              and len(finish.encode("utf-8", "surrogatepass")) <= MAX_NAME_BYTES,
