@@ -76,8 +76,7 @@ def parse_generate(body: Any, *, vocab_size: int, max_positions: int) -> GenRequ
     if not is_int(max_tokens) or max_tokens < 0:
         raise BadRequest(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
     temperature = body.get("temperature", 1.0)
-    if not is_number(temperature) \
-            or not 0 <= temperature <= MAX_TEMPERATURE:
+    if not is_number(temperature) or not 0 <= temperature <= MAX_TEMPERATURE:
         raise BadRequest(f"temperature must be a number from 0 to {MAX_TEMPERATURE:g}, "
                          f"got {temperature!r:.40}")
     stop = body.get("stop_token_ids") or []

@@ -66,7 +66,7 @@ def run_reward(value: Any, *, env_name: str) -> float:
     string is refused even where `float` would read it (a reward of "0.5" is an env's
     mistake), and so are NaN, the infinities and integers past a float's range: one such
     reward makes the mean, and so every advantage, of its group NaN."""
-    if not isinstance(value, (str, bytes)) and value is not None:
+    if not isinstance(value, (str, bytes)):  # float() reads "0.5" and b"0.5"
         try:
             reward = float(value)
         except (TypeError, ValueError, OverflowError, RuntimeError):  # torch: RuntimeError

@@ -129,8 +129,8 @@ def event_error(e: dict) -> str | None:
 
 
 _SAMPLE = lambda v: isinstance(v, dict) and all(  # noqa: E731 (a waterlevel sample)
-    is_finite_number(x) for k, x in v.items() if k in ("t", "waterlevel", "in_flight", "queued",
-                                               "rollout_cells", "train_cells"))
+    is_finite_number(x) for k, x in v.items()
+    if k in ("t", "waterlevel", "in_flight", "queued", "rollout_cells", "train_cells"))
 STATUS_FIELDS: dict[str, tuple[bool, Callable, str]] = {
     "t": (False, is_finite_number, "a time"), "elapsed_s": (False, is_finite_number, "seconds"),
     "final": (False, lambda v: isinstance(v, bool), "true or false"),
@@ -140,8 +140,8 @@ STATUS_FIELDS: dict[str, tuple[bool, Callable, str]] = {
               "a list of cells"),
     "runs": (False, lambda v: isinstance(v, dict), "an object"),
     "train": (False, lambda v: isinstance(v, dict), "an object"),
-    "rewards": (False, _list_of(lambda r: isinstance(r, dict) and is_int(r.get("step")) and (
-        isinstance(r.get("mean_reward"), float) or is_int(r.get("mean_reward")))),
+    "rewards": (False, _list_of(lambda r: isinstance(r, dict) and is_int(r.get("step"))
+                                and is_number(r.get("mean_reward"))),
         "a list of {step, mean_reward}"),
     "waterlevel": (False, _opt(_SAMPLE), "a waterlevel sample"),
     "waterlevel_history": (False, _list_of(_SAMPLE), "a list of waterlevel samples"),

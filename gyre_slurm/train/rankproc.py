@@ -170,6 +170,11 @@ def warm_up(worker) -> None:
         log.exception("warm-up failed: the first join builds from cold")
 
 
+def _flag(value: str) -> bool:
+    """A true/false argument as the agent writes it (`str(bool).lower()`)."""
+    return value.lower() in ("1", "true", "yes")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="one gyre training rank")
     p.add_argument("--backend", choices=("torch", "megatron"), required=True)
@@ -183,12 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pp", "--pipeline-parallel", dest="pp", type=int, default=1)
     p.add_argument("--ep", "--expert-parallel", dest="ep", type=int, default=1)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--distributed-optimizer", type=lambda v: v.lower() in ("1", "true", "yes"),
-                   default=False, help="true: Megatron's distributed optimizer (megatron)")
+    p.add_argument("--distributed-optimizer", type=_flag, default=False,
+                   help="true: Megatron's distributed optimizer (megatron)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads")
-    p.add_argument("--warm-up", type=lambda v: v.lower() in ("1", "true", "yes"),
-                   default=True, help="pay the first build's one-time costs now "
-                   "(trainer.warm_up), not at the first join")
+    p.add_argument("--warm-up", type=_flag, default=True,
+                   help="pay the first build's one-time costs now (trainer.warm_up), not at "
+                        "the first join")
     p.add_argument("--loss", default=None, help="the loss and its settings, JSON "
                    "(gyre_slurm.train.loss.LossSettings; default ppo_clip)")
     args = p.parse_args(argv)
