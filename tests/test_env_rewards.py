@@ -32,6 +32,12 @@ from gyre_slurm.traj.store import CallStoreWriter
 from test_agent_loop import ScriptedServer
 
 ROOT = Path(__file__).resolve().parent.parent
+def short_id(value) -> str:
+    """A test id for a value: its repr, or for a long one (a 400-digit integer) `int-401-chars`."""
+    text = repr(value)
+    return text if len(text) <= 24 else f"{type(value).__name__}-{len(text)}-chars"
+
+
 BAD = [float("nan"), float("inf"), -float("inf"), 10 ** 400, "1.0", b"1", None, [1.0],
        np.array([1.0, 2.0]), torch.tensor([1.0, 2.0]), {"reward": 1}]
 
@@ -39,13 +45,13 @@ BAD = [float("nan"), float("inf"), -float("inf"), 10 ** 400, "1.0", b"1", None, 
 @pytest.mark.parametrize("value, want", [
     (1, 1.0), (0.25, 0.25), (-3, -3.0), (True, 1.0), (np.float32(0.5), 0.5),
     (np.int64(2), 2.0), (np.float64(0.75), 0.75), (torch.tensor(0.5), 0.5),
-    (np.array(1.5), 1.5), (10 ** 300, 1e300)])
+    (np.array(1.5), 1.5), (10 ** 300, 1e300)], ids=short_id)
 def test_a_finite_reward_of_any_real_type_passes_as_a_float(value, want):
     got = run_reward(value, env_name="e")
     assert type(got) is float and got == want
 
 
-@pytest.mark.parametrize("value", BAD, ids=repr)
+@pytest.mark.parametrize("value", BAD, ids=short_id)
 def test_a_reward_that_is_not_a_finite_number_is_refused_saying_what(value):
     with pytest.raises(ValueError) as info:
         run_reward(value, env_name="my-env")
@@ -73,7 +79,7 @@ class Pays:
 
 
 @pytest.mark.parametrize("reward", [float("nan"), float("inf"), 10 ** 400, "0.5", None],
-                         ids=repr)
+                         ids=short_id)
 def test_the_agent_loop_fails_a_run_whose_env_pays_no_finite_number(reward):
     async def go():
         async with ScriptedServer(["a"]) as server:

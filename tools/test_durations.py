@@ -23,7 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 DURATIONS = ROOT / "tests" / "durations.json"
-LINE = re.compile(r"^\s*([0-9.]+)s (setup|call|teardown)\s+(\S+)")
+# the node id is the rest of the line: a parametrized id may hold spaces ("[a b]")
+LINE = re.compile(r"^\s*([0-9.]+)s (setup|call|teardown)\s+(\S.*?)\s*$")
 
 
 def parse(text: str) -> dict[str, float]:
