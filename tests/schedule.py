@@ -14,12 +14,17 @@ This plugin decides the units and their order (`tests/conftest.py` imports its h
   idles (longest-processing-time-first packing). `--dist loadfile` alone runs the files
   in xdist's order, by number of tests, which says little here (one `gyre run` outlasts a
   hundred unit tests).
-- With GYRE_TEST_HEAVY_WORKERS=H, the workers past the first H take light units only, and
-  the first H take the slow ones first. The slow tests are mostly waiting on the processes
-  they start (a whole suite used 142% of 2 cores on 2 workers): a third worker that runs
-  the unit tests beside them fills the idle core without a third engine or cluster
-  competing for memory and CPU (3 workers taking any unit thrashed here). The light
-  workers run at nice +10, so that they take the idle core, not the slow tests' share.
+- With GYRE_TEST_HEAVY_WORKERS=H, the workers past the first H take light units (and solo
+  ones, below) only, and the first H take the slow ones first. The slow tests are mostly
+  waiting on the processes they start (a whole suite used 142% of 2 cores on 2 workers):
+  a third worker that runs the unit tests beside them fills the idle core without a third
+  engine or cluster competing for memory and CPU (3 workers taking any unit thrashed
+  here). The light workers run at nice +10, so that they take the idle core, not the slow
+  tests' share. Tests marked both slow and `solo` (all their work in the test's own
+  process: no engine, world, cluster or job, e.g. the simulator's property tests) make
+  *solo* units: the light workers take them once their light units are done (they idled
+  the last ~10 minutes of a suite), the heavy ones only when idle with no other slow
+  unit left.
 
 How: each worker orders its collection (`pytest_collection_modifyitems`) and writes the
 units it made to a file the controller named (`workerinput`); the controller's scheduler
@@ -99,10 +104,21 @@ def _slow(item: pytest.Item) -> bool:
     return item.get_closest_marker("slow") is not None
 
 
-def plan(items: list[pytest.Item], durations: dict[str, float]) -> list[tuple[str, list, bool]]:
-    """(unit name, items, light) longest first; a pure function of the collection and
-    durations. A light unit has no test marked slow (a file's slow and other tests are
-    units apart unless they share a fixture)."""
+def _kind(group: list[pytest.Item]) -> str:
+    """light: no test marked slow; solo: its slow tests are all marked solo too; slow."""
+    slow = [it for it in group if _slow(it)]
+    if not slow:
+        return "light"
+    return "solo" if all(it.get_closest_marker("solo") for it in slow) else "slow"
+
+
+KINDS = ("slow", "solo", "light")
+
+
+def plan(items: list[pytest.Item], durations: dict[str, float]) -> list[tuple[str, list, str]]:
+    """(unit name, items, kind) longest first; a pure function of the collection and
+    durations. A unit's kind is `_kind`'s: a file's slow, solo and light tests are units
+    apart unless they share a fixture."""
     by_file: dict[str, list[pytest.Item]] = defaultdict(list)
     for item in items:
         by_file[item.nodeid.split("::", 1)[0]].append(item)
@@ -110,20 +126,20 @@ def plan(items: list[pytest.Item], durations: dict[str, float]) -> list[tuple[st
     def cost(unit: list[pytest.Item]) -> float:
         return sum(durations.get(it.nodeid, DEFAULT_S) for it in unit)
 
-    units: list[tuple[str, list, bool]] = []
+    units: list[tuple[str, list, str]] = []
     for path, file_items in by_file.items():
         groups = _split_file(file_items)
-        for light, suffix in ((False, "#slow"), (True, "#light")):
-            part = [g for g in groups if light != any(map(_slow, g))]
+        for kind in KINDS:
+            part = [g for g in groups if _kind(g) == kind]
             if not part:
                 continue
-            name = path if len(part) == len(groups) else path + suffix
+            name = path if len(part) == len(groups) else f"{path}#{kind}"
             members = {id(it) for g in part for it in g}
             whole = [it for it in file_items if id(it) in members]  # in file order
             if cost(whole) <= SPLIT_OVER_S:
-                units.append((name, whole, light))
+                units.append((name, whole, kind))
             else:
-                units.extend((f"{name}#{k}", g, light) for k, g in enumerate(part))
+                units.extend((f"{name}#{k}", g, kind) for k, g in enumerate(part))
     units.sort(key=lambda u: -cost(u[1]))  # stable: equal costs keep collection order
     return units
 
@@ -169,18 +185,29 @@ def pytest_configure_node(node) -> None:  # the controller, before a worker star
 
 class PackedScheduling(LoadScopeScheduling):
     """xdist's loadscope scheduler, its scopes being the units the workers wrote; the
-    workers past the first `heavy` take light units only (none of the slow tests, which
-    start engines, worlds and clusters), and the others prefer the units that are not."""
+    workers past the first `heavy` take light units, then solo ones (none of the other
+    slow tests, which start engines, worlds and clusters), and the others prefer the slow
+    units that are not solo."""
 
     def __init__(self, config: pytest.Config, log, units: Path, heavy: int | None) -> None:
         super().__init__(config, log)
-        self._units_file, self._units, self._light = units, None, set()
+        self._units_file, self._units = units, None
+        self._light: set[str] = set()
+        self._solo: set[str] = set()
         self._heavy = heavy
 
     def _read_units(self) -> None:
         if self._units is None:  # read once all workers have collected (and written it)
             data = json.loads(self._units_file.read_text())
-            self._units, self._light = data["units"], set(data["light"])
+            self._units = data["units"]
+            self._light, self._solo = set(data["light"]), set(data["solo"])
+
+    def _first(self, kind: set[str] | None) -> str | None:
+        """The first unit in the queue in `kind` (None: one in neither light nor solo)."""
+        if kind is None:
+            return next((s for s in self.workqueue
+                         if s not in self._light and s not in self._solo), None)
+        return next((s for s in self.workqueue if s in kind), None)
 
     def _split_scope(self, nodeid: str) -> str:
         self._read_units()
@@ -194,21 +221,22 @@ class PackedScheduling(LoadScopeScheduling):
 
     def _next_scope(self, node) -> str | None:
         """The unit `node` takes next, in the queue's order: a light worker the first light
-        unit; a heavy worker the first slow one, or once none is left and only when idle
-        (not as the next unit it queues), the first light one. None: nothing for it now."""
+        unit, or once none is left the first solo one; a heavy worker the first slow unit
+        that is not solo, or once none is left and only when idle (not as the next unit it
+        queues), the first unit of any kind. None: nothing for it now."""
         self._read_units()
         if not self._has_light_workers():
             return next(iter(self.workqueue))
         if self._light_only(node):
-            return next((s for s in self.workqueue if s in self._light), None)
-        heavy = next((s for s in self.workqueue if s not in self._light), None)
+            return self._first(self._light) or self._first(self._solo)
+        heavy = self._first(None)
         if heavy is not None or self._pending_of(self.assigned_work.get(node, {})):
             return heavy
         return next(iter(self.workqueue))
 
     def _assign_work_unit(self, node) -> None:
         scope = self._next_scope(node)
-        if scope is None:  # a light worker with no light unit left is done
+        if scope is None:  # a light worker with no light or solo unit left is done
             if self._light_only(node) and not self._pending_of(self.assigned_work.get(node, {})):
                 node.shutdown()
             return
@@ -230,14 +258,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     path = getattr(config, "workerinput", {}).get("gyre_units")
     if not path:
         return
-    ordered, names, light = [], {}, []
-    for name, unit, is_light in plan(items, _durations()):
+    ordered, names = [], {}
+    kinds: dict[str, list[str]] = {kind: [] for kind in KINDS}
+    for name, unit, kind in plan(items, _durations()):
         for item in unit:
             ordered.append(item)
             names[item.nodeid] = name
-        if is_light:
-            light.append(name)
+        kinds[kind].append(name)
     items[:] = ordered
     tmp = Path(f"{path}.{os.getpid()}.tmp")  # every worker writes the same: atomic
-    tmp.write_text(json.dumps({"units": names, "light": light}))
+    tmp.write_text(json.dumps({"units": names, "light": kinds["light"],
+                               "solo": kinds["solo"]}))
     tmp.replace(path)

@@ -52,7 +52,7 @@ def run_packed(tmp_path: Path, files: dict[str, str], durations: dict[str, float
     source), `durations` recorded: its output and the lines the tests logged."""
     for name, text in files.items():
         (tmp_path / name).write_text(text)
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n    solo: solo\n")
     (tmp_path / "durations.json").write_text(json.dumps(durations))
     log = tmp_path / "log"
     env = dict(os.environ, PYTHONPATH=str(TESTS), LOG=str(log), GYRE_TEST_PACK="1",
@@ -122,3 +122,44 @@ def test_a_light_worker_runs_only_the_tests_not_marked_slow(tmp_path):
     assert worker["mixed::s1"] in ("gw0", "gw1") and worker["mixed::s2"] in ("gw0", "gw1")
     assert worker["mixed::s1"] != worker["mixed::s2"]  # split: 300 s > SPLIT_OVER_S
     assert worker["mixed::l1"] == worker["unit::u"] == "gw2"
+
+
+BUSY = LOG + '''
+@pytest.mark.slow
+def test_b1():
+    log("busy::b1"); time.sleep(3.0)
+
+@pytest.mark.slow
+def test_b2():
+    log("busy::b2"); time.sleep(3.0)
+'''
+SOLO = LOG + '''
+pytestmark = pytest.mark.solo
+
+@pytest.mark.slow
+def test_alone():
+    log("solo::alone", os.nice(0))
+
+def test_quick():
+    log("solo::quick")
+'''
+
+
+def test_solo_units_go_to_the_light_worker_once_its_light_units_are_done(tmp_path):
+    """A slow test marked solo (all its work in its own process) is queued first, being the
+    longest, but the heavy workers leave it while other slow units are left: the light
+    worker takes it after its light units, niced like them. The file's unmarked test is
+    a light unit of its own."""
+    durations = {"test_busy.py::test_b1": 200, "test_busy.py::test_b2": 100,
+                 "test_unit.py::test_u": 1, "test_solo.py::test_alone": 500,
+                 "test_solo.py::test_quick": 1}
+    out, rows = run_packed(tmp_path, {"test_unit.py": UNIT, "test_busy.py": BUSY,
+                                      "test_solo.py": SOLO}, durations, workers=3, heavy=2)
+    assert "5 passed" in out, out
+    worker = {name: w for name, w, _ in rows}
+    value = {name: v for name, _, v in rows}
+    assert {worker["busy::b1"], worker["busy::b2"]} == {"gw0", "gw1"}
+    assert worker["solo::alone"] == worker["solo::quick"] == worker["unit::u"] == "gw2"
+    assert int(value["solo::alone"]) == int(value["unit::u"])  # niced alike
+    order = [name for name, w, _ in rows if w == "gw2"]
+    assert order.index("solo::alone") > max(order.index("solo::quick"), order.index("unit::u"))

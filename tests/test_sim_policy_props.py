@@ -30,6 +30,8 @@ from gyre_slurm.sim.workload import sample_workload
 # beside eight other scheduler test files on 2 workers, this test drew another job at
 # its 10th example and failed on it, on code whose CI run had passed).
 EXAMPLES = int(os.environ.get("GYRE_POLICY_EXAMPLES", "40"))
+# Simulations in this process only: tools/test's light worker may take the slow ones.
+pytestmark = pytest.mark.solo
 
 
 def draw_job(rng: random.Random) -> list[str]:
