@@ -7,8 +7,8 @@ stop them, wait for what the run records.
                                    a restart)
     coordinator_pid(run_dir)       the coordinator's pid (events.jsonl: start)
     vllm_pid(run_dir, node)        the pid of node's vLLM API server (the process that
-                                   runs vllm.entrypoints.openai.api_server on its address,
-                                   not the supervisor that started it)
+                                   runs gyre_slurm.engines.vllm.ENTRY on its address, not
+                                   the supervisor that started it)
     rank_pids(run_dir, node)       the pids of node's training rank processes (their
                                    command line names the run's model dir and the node)
     kill(pid, sig=SIGKILL)         signal a process (gone already: False)
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gyre_slurm.common.fsio import read_jsonl
+from gyre_slurm.engines.vllm import ENTRY
 from engine_helpers import START_S
 
 
@@ -111,9 +112,9 @@ def node_addr(run_dir: Path, node: int) -> str:
 
 def vllm_pid(run_dir: Path, node: int) -> int:
     addr = node_addr(run_dir, node)
-    pids = wait_for(lambda: _processes(
-        lambda argv: _arg(argv, "-m") == "vllm.entrypoints.openai.api_server"
-        and "-c" not in argv[:2] and _arg(argv, "--host") == addr), timeout_s=300, what=f"node {node}'s vLLM server")
+    pids = wait_for(lambda: _processes(  # the server's argv: python -c ENTRY ... (the
+        lambda argv: argv[1:3] == ["-c", ENTRY]  # supervisor's: python -c SUPERVISOR ...)
+        and _arg(argv, "--host") == addr), timeout_s=300, what=f"node {node}'s vLLM server")
     return pids[0]
 
 
