@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest

@@ -13,7 +13,6 @@ import json
 
 import openai
 import pytest
-from aiohttp import web
 
 from engine_helpers import tiny_engines
 from gyre_slurm.engines import EngineClient

@@ -19,7 +19,6 @@ the calculator estimates for a GPU's fused attention and are not compared.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import statistics

@@ -55,7 +55,6 @@ import asyncio
 import contextlib
 import os
 import platform
-import shutil
 import signal
 import struct
 import subprocess

@@ -24,8 +24,6 @@ import math
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
 from gyre_slurm.config.phases import StepShape, step_shape
 from gyre_slurm.config.schema import GyreConfig
 from gyre_slurm.config.trace import load_trace
@@ -34,7 +32,7 @@ from gyre_slurm.sched.baselines import AsyncPolicy, ColocatePolicy
 from gyre_slurm.sched.elastic import ElasticPolicy
 from gyre_slurm.sched.observe import opening_observation
 from gyre_slurm.sched.outlook import WorkloadPrior
-from gyre_slurm.sched.types import Observation, Policy
+from gyre_slurm.sched.types import Policy
 from gyre_slurm.sched.waterlevel import DurationModel, StepDurations, rate_by_load
 
 

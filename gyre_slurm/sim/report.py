@@ -46,7 +46,6 @@ def to_json(*, name: str, comparison: dict) -> dict[str, Any]:
 
 
 def print_table(summary: dict, console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     lb = summary["lower_bound_s"]
