@@ -7,7 +7,7 @@ stop them, wait for what the run records.
                                    a restart)
     coordinator_pid(run_dir)       the coordinator's pid (events.jsonl: start)
     vllm_pid(run_dir, node)        the pid of node's vLLM API server (the process that
-                                   runs gyre_slurm.engines.vllm.ENTRY on its address, not
+                                   runs gyre_slurm.engines.vllm_serve on its address, not
                                    the supervisor that started it)
     rank_pids(run_dir, node)       the pids of node's training rank processes (their
                                    command line names the run's model dir and the node)
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gyre_slurm.common.fsio import read_jsonl
-from gyre_slurm.engines.vllm import ENTRY
+from gyre_slurm.engines.vllm import SERVE_MODULE
 from engine_helpers import START_S
 
 
@@ -112,8 +112,8 @@ def node_addr(run_dir: Path, node: int) -> str:
 
 def vllm_pid(run_dir: Path, node: int) -> int:
     addr = node_addr(run_dir, node)
-    pids = wait_for(lambda: _processes(  # the server's argv: python -c ENTRY ... (the
-        lambda argv: argv[1:3] == ["-c", ENTRY]  # supervisor's: python -c SUPERVISOR ...)
+    pids = wait_for(lambda: _processes(  # the server's argv: python -m SERVE_MODULE ...
+        lambda argv: argv[1:3] == ["-m", SERVE_MODULE]  # (the supervisor's: python -c ...)
         and _arg(argv, "--host") == addr), timeout_s=300, what=f"node {node}'s vLLM server")
     return pids[0]
 

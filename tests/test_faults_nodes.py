@@ -17,7 +17,7 @@ import yaml
 
 import faults
 from gyre_slurm.common.fsio import read_jsonl
-from gyre_slurm.engines.vllm import ENTRY_MODULE
+from gyre_slurm.engines.vllm import SERVE_MODULE
 from gyre_slurm.runtime.book import StepBook
 from runtime_checks import check_run_dir
 from test_runtime_e2e import FAST, ROOT, WATERLEVEL
@@ -364,7 +364,7 @@ def test_a_crashed_vllm_server_is_restarted_on_its_cell(tmp_path):
     assert restarted["t"] > killed_at and restarted["exit_code"] != 0, restarted
     events = check_run_dir(run_dir, num_steps=num_steps)
     log = (run_dir / "logs" / "engine-node1-s0.log").read_text()
-    assert log.count(ENTRY_MODULE) >= 2  # started twice
+    assert log.count(SERVE_MODULE) >= 2  # started twice
     served = [e for e in events if e["kind"] == "weights_loaded" and e["t"] > restarted["t"]]
     # the new server is back in the gateway: it takes the next policies with the others
     assert any(1 in e["cells"] for e in served), served

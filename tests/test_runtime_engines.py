@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gyre_slurm.common.fsio import read_jsonl
-from gyre_slurm.engines.vllm import ENTRY_MODULE
+from gyre_slurm.engines.vllm import SERVE_MODULE
 from runtime_checks import check_run_dir
 from test_runtime_e2e import FAST, gyre_run
 
@@ -88,7 +88,7 @@ def test_vllm_and_megatron_tp2_run_with_handoffs(tmp_path):
             assert e["version"] == current, e
     assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["v000000"]
     logs = list((run_dir / "logs").glob("engine-node*-s0.log"))
-    assert logs and all(ENTRY_MODULE in p.read_text() for p in logs)
+    assert logs and all(SERVE_MODULE in p.read_text() for p in logs)
     # Calls are recorded with the version the server says answered them (its weight
     # label), and new policies did reach the servers.
     from gyre_slurm.traj.store import load_store

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from gyre_slurm.common.fsio import read_jsonl
-from gyre_slurm.engines.vllm import ENTRY_MODULE
+from gyre_slurm.engines.vllm import SERVE_MODULE
 from runtime_checks import check_run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -188,7 +188,7 @@ def test_sbatch_runs_vllm_and_megatron(slurm_cluster, tmp_path):
     agents = [e for e in events if e["kind"] == "agent_registered"]
     assert sorted(e["node"] for e in agents) == [0, 1, 2]
     engine_logs = list((run_dir / "logs").glob("engine-node*-s0.log"))
-    assert engine_logs and all(ENTRY_MODULE in p.read_text()
+    assert engine_logs and all(SERVE_MODULE in p.read_text()
                                for p in engine_logs)
     assert list((run_dir / "logs").glob("trainer-node*-r1.log"))
     latest = (run_dir / "checkpoints" / "latest").read_text()

