@@ -192,22 +192,18 @@ class PackedScheduling(LoadScopeScheduling):
     def __init__(self, config: pytest.Config, log, units: Path, heavy: int | None) -> None:
         super().__init__(config, log)
         self._units_file, self._units = units, None
-        self._light: set[str] = set()
-        self._solo: set[str] = set()
+        self._kinds: dict[str, str] = {}
         self._heavy = heavy
 
     def _read_units(self) -> None:
         if self._units is None:  # read once all workers have collected (and written it)
             data = json.loads(self._units_file.read_text())
             self._units = data["units"]
-            self._light, self._solo = set(data["light"]), set(data["solo"])
+            self._kinds = data["kinds"]
 
-    def _first(self, kind: set[str] | None) -> str | None:
-        """The first unit in the queue in `kind` (None: one in neither light nor solo)."""
-        if kind is None:
-            return next((s for s in self.workqueue
-                         if s not in self._light and s not in self._solo), None)
-        return next((s for s in self.workqueue if s in kind), None)
+    def _first(self, kind: str) -> str | None:
+        """The first unit in the queue of `kind` (one of KINDS)."""
+        return next((s for s in self.workqueue if self._kinds.get(s, "slow") == kind), None)
 
     def _split_scope(self, nodeid: str) -> str:
         self._read_units()
@@ -228,8 +224,8 @@ class PackedScheduling(LoadScopeScheduling):
         if not self._has_light_workers():
             return next(iter(self.workqueue))
         if self._light_only(node):
-            return self._first(self._light) or self._first(self._solo)
-        heavy = self._first(None)
+            return self._first("light") or self._first("solo")
+        heavy = self._first("slow")
         if heavy is not None or self._pending_of(self.assigned_work.get(node, {})):
             return heavy
         return next(iter(self.workqueue))
@@ -258,15 +254,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     path = getattr(config, "workerinput", {}).get("gyre_units")
     if not path:
         return
-    ordered, names = [], {}
-    kinds: dict[str, list[str]] = {kind: [] for kind in KINDS}
+    ordered, names, kinds = [], {}, {}
     for name, unit, kind in plan(items, _durations()):
         for item in unit:
             ordered.append(item)
             names[item.nodeid] = name
-        kinds[kind].append(name)
+        kinds[name] = kind
     items[:] = ordered
     tmp = Path(f"{path}.{os.getpid()}.tmp")  # every worker writes the same: atomic
-    tmp.write_text(json.dumps({"units": names, "light": kinds["light"],
-                               "solo": kinds["solo"]}))
+    tmp.write_text(json.dumps({"units": names, "kinds": kinds}))
     tmp.replace(path)
