@@ -21,9 +21,9 @@ def write(root: Path, files: dict[str, str]) -> None:
         path.write_text(text)
 
 
-def serve(tmp_path: Path, *args: str, module: str = "gyre_slurm.engines.vllm_serve"):
+def serve(tmp_path: Path, *args: str):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
-    return subprocess.run([sys.executable, "-m", module, *args], env=env,
+    return subprocess.run([sys.executable, "-m", "gyre_slurm.engines.vllm_serve", *args], env=env,
                           capture_output=True, text=True, timeout=60)
 
 

@@ -6,7 +6,7 @@ and a spawned child first re-runs its parent's main module, as `__mp_main__`. Un
 `python -m vllm.entrypoints.openai.api_server` that was the whole API server again
 (FastAPI, the OpenAI protocol: 10.7 of the child's 12.0 s of imports, measured with
 PYTHONPROFILEIMPORTTIME) before the engine core's own imports. This module imports
-nothing at its top, so the child imports only what the engine core needs (8.6 s).
+nothing at its top, so the child imports only what the engine core needs (7.4 s).
 
 It runs vLLM's server entry (the function behind `vllm serve`; the module above is
 deprecated), or, in a vLLM without that entry, the server module itself.

@@ -83,8 +83,10 @@ class NodeAgent:
         await self.stopping.wait()
         beat.cancel()
         # the engines and the ranks stop together: each takes seconds to exit
-        await asyncio.gather(self.shutdown_engine(),
-                             self.ranks.stop() if self.ranks is not None else asyncio.sleep(0))
+        stops = [self.shutdown_engine()]
+        if self.ranks is not None:
+            stops.append(self.ranks.stop())
+        await asyncio.gather(*stops)
         await runner.cleanup()
         await self.coordinator.close()
 
