@@ -244,6 +244,29 @@ def test_a_run_dir_that_cannot_be_a_folder_is_refused_before_the_job_starts(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
 
 
+def test_a_folder_the_file_system_refuses_is_refused_before_anything_runs(gyre, tmp_path):
+    """Every output a command is told to write, in a folder where no file can be made
+    (/proc: root passes `os.access` there, yet a new file is refused; other users get
+    permission denied): exit 2 naming the path, no traceback, nothing run. Before, `gyre
+    traj build -o`, `report -o` and `sim --plot` ran their work and then died at the
+    write with a FileNotFoundError traceback."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "events.jsonl").write_text("")
+    (run / "calls.jsonl").write_text("")
+    for argv, path in (
+            (("run", "configs/tiny.yaml", "--run-dir"), "/proc/gyre-run"),
+            (("traj", "build", str(run / "calls.jsonl"), "-o"), "/proc/t.jsonl"),
+            (("traj", "export", str(run), "-o"), "/proc/t.jsonl"),
+            (("report", str(run), "-o"), "/proc/r.png"),
+            (("sim", "--preset", "small", "--no-ablations", "--plot"), "/proc/s.png"),
+            (("sim", "--preset", "small", "--sweep", "seed=1,2", "--slurm", "--slurm-dir"),
+             "/proc/array")):
+        proc = gyre(*argv, path, check=False)
+        assert proc.returncode == 2, (argv, proc.stderr)
+        assert "/proc" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_a_model_path_the_job_cannot_use_leaves_no_run_behind(gyre, tmp_path):
     """model.path and the roles' interpreters are checked as the run dir is made, before
     any process starts; refused, they leave the run dir with its logs only (no

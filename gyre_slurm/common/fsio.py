@@ -33,6 +33,7 @@ import errno
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,10 +285,26 @@ def make_folder(path: str | Path, *, what: str = "--run-dir", purpose: str = "th
     except OSError as e:
         raise UserError(f"{what} {path}: cannot create it ({e.strerror or e}); name a "
                         f"folder you can write for {purpose}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise UserError(f"{what} {path} is not writable by this user; name a folder you "
-                        f"can write for {purpose}")
+    check_can_write(path, what=what, purpose=purpose)
     return path
+
+
+def check_can_write(folder: str | Path, *, what: str, purpose: str) -> None:
+    """Make and remove an empty file in `folder`, or raise a UserError saying why it
+    cannot be done. `os.access` is not what the file system does: root passes every
+    access check, yet /proc, /sys or a read-only mount refuse a new file there."""
+    folder = Path(folder)
+    try:
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".gyre-probe-")
+    except PermissionError:
+        raise UserError(f"{what} {folder} is not writable by this user; name a folder you "
+                        f"can write for {purpose}") from None
+    except OSError as e:
+        raise UserError(f"{what} {folder}: a file cannot be made there "
+                        f"({e.strerror or e}); name a folder you can write for "
+                        f"{purpose}") from None
+    os.close(fd)
+    os.unlink(name)
 
 
 def check_output_file(path: str | Path, *, what: str = "-o",

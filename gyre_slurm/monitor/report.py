@@ -14,8 +14,10 @@ trained tokens the loss clipped, truncated or dropped.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
+from gyre_slurm.common.fsio import write_bytes_atomic
 from gyre_slurm.errors import UserError
 from gyre_slurm.monitor import model
 from gyre_slurm.sim.report import ROLE_COLORS
@@ -172,6 +174,7 @@ def write_report(run_dir: Path, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig = figure(run_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    image = io.BytesIO()  # the format the suffix names (`check_plot_path`, done up front)
+    fig.savefig(image, dpi=100, format=out.suffix.lstrip(".").lower())
     plt.close(fig)
+    write_bytes_atomic(out, image.getvalue())  # whole or not at all, as every file here

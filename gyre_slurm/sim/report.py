@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 from typing import Any
 
-from gyre_slurm.common.fsio import write_bytes_atomic
+from gyre_slurm.common.fsio import check_can_write, write_bytes_atomic
 from gyre_slurm.errors import UserError
 from gyre_slurm.sim.engine import SimResult
 
@@ -94,8 +93,7 @@ def check_plot_path(path: str, *, option: str = "--plot") -> str:
     if not folder.is_dir():
         raise UserError(f"{option} {path}: the folder {folder} does not exist; create it or "
                         f"name another")
-    if not os.access(folder, os.W_OK):
-        raise UserError(f"{option} {path}: the folder {folder} is not writable")
+    check_can_write(folder, what=f"{option} {path}: the folder", purpose="the image")
     return fmt
 
 
