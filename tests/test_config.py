@@ -267,6 +267,22 @@ def test_a_folder_the_file_system_refuses_is_refused_before_anything_runs(gyre, 
         assert "/proc" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--slurm"], "add --sweep"),
+    (["--slurm-arg", "partition=cpu"], "--slurm-arg goes with --slurm"),
+    (["--sweep", "seed=1,2", "--slurm-dir", "{tmp}/d", "--slurm-arg", "time=5"],
+     "--slurm-arg and --slurm-dir go with --slurm"),
+])
+def test_slurm_options_of_sim_without_a_slurm_sweep_are_refused(gyre, tmp_path, argv,
+                                                                 message):
+    """`gyre sim --slurm` runs a sweep's points as a job array; without --sweep, or its
+    options without --slurm, the command had run here, quietly ignoring them."""
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    proc = gyre("sim", "--preset", "small", "--no-ablations", *argv, check=False)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not list(tmp_path.iterdir())
+
+
 def test_a_model_path_the_job_cannot_use_leaves_no_run_behind(gyre, tmp_path):
     """model.path and the roles' interpreters are checked as the run dir is made, before
     any process starts; refused, they leave the run dir with its logs only (no

@@ -26,6 +26,9 @@ from gyre_slurm.sim.report import check_plot_path, plot_timelines, print_table, 
 from gyre_slurm.sim.runner import compare
 
 
+SLURM_DIR = Path("runs") / "sim-sweeps"
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("sim", help="simulate the policies on a workload and compare them")
     src = p.add_mutually_exclusive_group(required=True)
@@ -42,12 +45,28 @@ def register(subparsers) -> None:
     p.add_argument("--slurm-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="a submitit/sbatch parameter of the array, e.g. partition=cpu or "
                         "time=30 (minutes) (repeatable)")
-    p.add_argument("--slurm-dir", type=Path, default=Path("runs") / "sim-sweeps",
-                   help="where the array's scripts, logs and results go (a shared folder)")
+    p.add_argument("--slurm-dir", type=Path, default=None,
+                   help="where the array's scripts, logs and results go (a shared folder; "
+                        f"default {SLURM_DIR})")
     p.set_defaults(func=run)
 
 
+def check_slurm_options(args: argparse.Namespace) -> None:
+    """--slurm runs a sweep's points as a job array: without --sweep, or its options
+    without it, the command would quietly run here instead."""
+    if args.slurm and not args.sweep:
+        raise UserError("--slurm runs the points of a sweep as a Slurm job array: add "
+                        "--sweep KEY=V1,V2,... (one comparison runs here, without --slurm)")
+    given = [name for name, value in (("--slurm-arg", args.slurm_arg),
+                                      ("--slurm-dir", args.slurm_dir)) if value]
+    if given and not args.slurm:
+        names = " and ".join(given)
+        raise UserError(f"{names} {'goes' if len(given) == 1 else 'go'} with --slurm (a "
+                        f"sweep run as a Slurm job array); add --slurm, or leave {names} out")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_slurm_options(args)
     path = preset_path(args.preset) if args.preset else args.workload
     name = args.preset or Path(args.workload).stem
     if args.sweep:
@@ -101,7 +120,8 @@ def run_sweep(args: argparse.Namespace, path: Path, name: str) -> int:
 
         points = sweep_on_slurm(path, name=name, key=full, values=values,
                                 overrides=args.overrides, ablations=not args.no_ablations,
-                                folder=args.slurm_dir, slurm_args=args.slurm_arg)
+                                folder=args.slurm_dir or SLURM_DIR,
+                                slurm_args=args.slurm_arg)
     else:
         points = [sweep_point(path, name=name, key=full, value=v, overrides=args.overrides,
                               ablations=not args.no_ablations) for v in values]
