@@ -224,6 +224,15 @@ def test_report_refuses_an_image_path_it_cannot_write_before_reading_the_run(tmp
     assert not_a_dir.returncode == 2 and "is a file, not a run dir" in not_a_dir.stderr
 
 
+def test_a_redraw_period_out_of_range_is_refused(tmp_path):
+    """--refresh-s must be a number of seconds in 0.1-3600: 0 or less, nan, inf or 1e300
+    had been taken (clamped to 0.1, or a live view that never redrew)."""
+    for value in ("0", "-1", "nan", "inf", "1e300", "abc"):
+        proc = gyre("status", str(tmp_path), "--refresh-s", value)
+        assert proc.returncode == 2 and "--refresh-s" in proc.stderr, (value, proc.stderr)
+        assert "Traceback" not in proc.stderr
+
+
 def test_torn_last_line_and_bad_status_are_tolerated(run_dir):
     tail = model.EventTail(run_dir / "events.jsonl")
     n = len(tail.poll())

@@ -7,7 +7,7 @@ import pytest
 
 from gyre_slurm.errors import UserError
 from gyre_slurm.sim.array import slurm_parameters
-from gyre_slurm.slurm.submit import GYRE_ROOT, SBATCH_FILE, sbatch_parameters
+from gyre_slurm.slurm.submit import GYRE_ROOT, SBATCH_FILE, sbatch_parameters, time_limit_s
 
 GOLDEN_DIRECTIVES = [
     "#SBATCH --job-name=gyre",
@@ -57,6 +57,33 @@ def test_submit_refuses_a_node_count_the_config_does_not_have(gyre, tmp_path):
     proc = gyre("submit", "configs/tiny.yaml", "--nodes", "8", "--run-dir", str(tmp_path / "r"),
                 check=False)
     assert proc.returncode == 2 and "cluster.num_nodes is 4" in proc.stderr
+
+
+@pytest.mark.parametrize("value, seconds", [
+    ("72:00:00", 259200), ("30", 1800), ("6", 360), ("10:30", 630), ("3-00", 259200),
+    ("1-12:30", 131400), ("1-00:00:01", 86401), ("UNLIMITED", float("inf")),
+])
+def test_slurm_time_limits_read_as_sbatch_reads_them(value, seconds):
+    assert time_limit_s(value) == seconds
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--time", "72h"], "is not a Slurm time limit: give MINUTES"),
+    (["--time", "1:2:3:4"], "is not a Slurm time limit"),
+    (["--time", "5"], "checkpoint and requeue 300 s before its limit"),
+    (["--time", "0:04:59"], "is 299 s"),
+    (["--nodes", "0"], "give a number of nodes >= 1"),
+    (["--gpus-per-node", "-1"], "give 0 or more GPUs"),
+])
+def test_submit_refuses_a_flag_slurm_would_refuse_or_misread_before_the_run_dir(
+        gyre, tmp_path, args, message):
+    """Checked before the run dir is made and anything is submitted: a time limit under
+    the USR2 warning would checkpoint and requeue the job as soon as it started; --nodes
+    0 was taken as unset."""
+    run_dir = tmp_path / "r"
+    proc = gyre("submit", "configs/tiny.yaml", *args, "--run-dir", str(run_dir), check=False)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not run_dir.exists()
 
 
 def _params(run_dir="/lustre/runs/r1", extra=(), **kw):

@@ -26,12 +26,28 @@ from gyre_slurm.common.fsio import existing_run_dir
 from gyre_slurm.errors import UserError
 
 
+MIN_REFRESH_S, MAX_REFRESH_S = 0.1, 3600.0
+
+
+def refresh_s(text: str) -> float:
+    """--refresh-s: seconds between redraws, a finite number in [MIN, MAX]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not MIN_REFRESH_S <= value <= MAX_REFRESH_S:  # nan fails both comparisons
+        raise argparse.ArgumentTypeError(
+            f"{text} s: give {MIN_REFRESH_S}-{MAX_REFRESH_S:g} s between redraws")
+    return value
+
+
 def register(subparsers) -> None:
     s = subparsers.add_parser("status", help="watch a run (live), or print it once")
     s.add_argument("target", metavar="RUN_DIR|JOBID", help="a run dir, or a Slurm job id")
     s.add_argument("--once", action="store_true", help="print one frame and exit")
     s.add_argument("--json", action="store_true", help="print status.json as JSON")
-    s.add_argument("--refresh-s", type=float, default=1.0, help="live redraw period")
+    s.add_argument("--refresh-s", type=refresh_s, default=1.0,
+                   help=f"live redraw period, {MIN_REFRESH_S}-{MAX_REFRESH_S:g} s")
     s.set_defaults(func=status)
     r = subparsers.add_parser("report", help="draw a run's timeline, waterlevel, rewards")
     r.add_argument("run_dir", type=Path)
@@ -67,7 +83,7 @@ def status(args: argparse.Namespace) -> int:
     if args.once or not console.is_terminal:  # a pipe or a file gets one frame
         console.print(framed(model.load(run_dir, tail)))
         return 0
-    return live(console, run_dir, tail, refresh_s=max(0.1, args.refresh_s))
+    return live(console, run_dir, tail, refresh_s=args.refresh_s)
 
 
 def framed(snap):

@@ -97,6 +97,34 @@ def check_slurm_text(what: str, value: str) -> None:
                         f"batch file takes one line per option; remove it")
 
 
+def time_limit_s(value: str) -> float:
+    """Seconds of a Slurm time limit (`minutes`, `minutes:seconds`,
+    `hours:minutes:seconds`, `days-hours`, `days-hours:minutes`,
+    `days-hours:minutes:seconds`; `unlimited` or `infinite` is infinity), or a UserError
+    that gives the forms. A limit the job's USR2 warning (WARNING_S before it) would reach
+    at once is refused too: the job would checkpoint and requeue as soon as it started."""
+    text = value.strip().lower()
+    if text in ("unlimited", "infinite"):
+        return float("inf")
+    forms = ("MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS, DAYS-HOURS, "
+             "DAYS-HOURS:MINUTES or DAYS-HOURS:MINUTES:SECONDS (e.g. 72:00:00 or 3-00)")
+    days, dash, rest = text.rpartition("-") if "-" in text else ("0", "", text)
+    parts = rest.split(":")
+    if not (days.isdigit() and all(p.isdigit() for p in parts) and len(parts) <= 3):
+        raise UserError(f"--time {value!r} is not a Slurm time limit: give {forms}")
+    nums = [int(p) for p in parts]
+    if dash:  # days-hours[:minutes[:seconds]]
+        seconds = int(days) * 86400 + sum(n * u for n, u in zip(nums, (3600, 60, 1)))
+    else:  # minutes[:seconds], or hours:minutes:seconds
+        units = {1: (60,), 2: (60, 1), 3: (3600, 60, 1)}[len(nums)]
+        seconds = sum(n * u for n, u in zip(nums, units))
+    if seconds <= WARNING_S:
+        raise UserError(f"--time {value!r} is {seconds} s: the job is told to checkpoint "
+                        f"and requeue {WARNING_S} s before its limit, so give a limit longer "
+                        f"than {WARNING_S // 60} minutes")
+    return float(seconds)
+
+
 def sbatch_parameters(*, config: Path, run_dir: Path, nodes: int, time_limit: str | None,
                       partition: str | None, gpus_per_node: int | None,
                       extra: list[str]) -> dict[str, Any]:
@@ -167,6 +195,14 @@ def submit_job(config: str | Path, *, run_dir: str | Path | None = None,
                         f"starts (and again on a requeue), so give a file on a filesystem "
                         f"the nodes see")
     cfg = load_config(path)
+    if nodes is not None and nodes < 1:
+        raise UserError(f"--nodes {nodes}: give a number of nodes >= 1 (or leave it out: "
+                        f"the config's cluster.num_nodes, {cfg.cluster.num_nodes})")
+    if gpus_per_node is not None and gpus_per_node < 0:
+        raise UserError(f"--gpus-per-node {gpus_per_node}: give 0 or more GPUs (or leave "
+                        f"it out: the partition's default)")
+    if time_limit is not None:
+        time_limit_s(time_limit)  # before the run dir is made
     nodes = nodes or cfg.cluster.num_nodes
     if nodes != cfg.cluster.num_nodes:
         raise UserError(f"--nodes {nodes} but the config's cluster.num_nodes is "
