@@ -177,6 +177,25 @@ def test_sbatch_script_refuses_a_run_dir_it_cannot_make(tmp_path):
     assert bare.returncode != 0 and "runs as a Slurm batch job" in bare.stderr
 
 
+def test_sbatch_script_refuses_a_time_limit_its_warning_reaches_at_once(tmp_path):
+    """A job whose limit (squeue's %l) is 5 minutes or less would get USR2 as it started,
+    checkpoint and requeue, again and again: exit 2 saying so, before the run dir, any
+    step or scontrol. A form the check cannot read is left to Slurm."""
+    job_env = _job_env(tmp_path)
+    squeue = tmp_path / "bin" / "squeue"
+    run_dir = tmp_path / "run"
+    for limit in ("4:00", "5:00", "0:00:30"):
+        squeue.write_text(f"#!/bin/sh\necho {limit}\n")
+        squeue.chmod(0o755)
+        proc = subprocess.run(["bash", str(ROOT / "sbatch" / "gyre.sbatch"), str(TINY),
+                               str(run_dir)], env=job_env, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert f"its time limit {limit} is not over the 5 minutes" in proc.stderr
+        assert "nothing was started" in proc.stderr
+        assert not run_dir.exists() and not (tmp_path / "called").exists()
+
+
 @pytest.mark.slow
 def test_sbatch_job_with_a_bad_config_fails_without_a_step(slurm_cluster, bad_config, tmp_path):
     from test_slurm_e2e import sbatch, wait_done
@@ -191,3 +210,21 @@ def test_sbatch_job_with_a_bad_config_fails_without_a_step(slurm_cluster, bad_co
     assert KEY in text and "nothing was started" in text, text
     assert not run_dir.exists()  # the coordinator (and its srun step) never started
     assert f"gyre: job {job} (restart" not in text  # refused before the job's first echo
+
+
+@pytest.mark.slow
+def test_sbatch_job_whose_limit_its_warning_reaches_fails_without_a_step(slurm_cluster,
+                                                                         tmp_path):
+    """The same on the local Slurm cluster, squeue answering: `sbatch --time=4` fails
+    at once with the reason in its output, no run dir made, no step started."""
+    from test_slurm_e2e import sbatch, wait_done
+
+    run_dir = tmp_path / "run"
+    out = tmp_path / "job.out"
+    job = sbatch(slurm_cluster, f"--output={out}", "--nodes=1", "--time=4",
+                 str(ROOT / "sbatch" / "gyre.sbatch"), str(TINY), str(run_dir))
+    state, _ = wait_done(slurm_cluster, job, timeout_s=300)
+    assert state == "FAILED"
+    text = out.read_text()
+    assert "its time limit 4:00 is not over the 5 minutes" in text, text
+    assert not run_dir.exists()

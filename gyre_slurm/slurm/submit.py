@@ -97,32 +97,38 @@ def check_slurm_text(what: str, value: str) -> None:
                         f"batch file takes one line per option; remove it")
 
 
-def time_limit_s(value: str) -> float:
-    """Seconds of a Slurm time limit (`minutes`, `minutes:seconds`,
-    `hours:minutes:seconds`, `days-hours`, `days-hours:minutes`,
-    `days-hours:minutes:seconds`; `unlimited` or `infinite` is infinity), or a UserError
-    that gives the forms. A limit the job's USR2 warning (WARNING_S before it) would reach
-    at once is refused too: the job would checkpoint and requeue as soon as it started."""
+TIME_FORMS = ("MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS, DAYS-HOURS, DAYS-HOURS:MINUTES "
+              "or DAYS-HOURS:MINUTES:SECONDS (e.g. 72:00:00 or 3-00)")
+
+
+def parse_time_limit(value: str) -> float:
+    """Seconds of a Slurm time limit as sbatch's --time and squeue's %l write it
+    (`minutes`, `minutes:seconds`, `hours:minutes:seconds`, `days-hours`,
+    `days-hours:minutes`, `days-hours:minutes:seconds`; `unlimited` or `infinite` is
+    infinity), or a UserError that gives the forms."""
     text = value.strip().lower()
     if text in ("unlimited", "infinite"):
         return float("inf")
-    forms = ("MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS, DAYS-HOURS, "
-             "DAYS-HOURS:MINUTES or DAYS-HOURS:MINUTES:SECONDS (e.g. 72:00:00 or 3-00)")
     days, dash, rest = text.rpartition("-") if "-" in text else ("0", "", text)
     parts = rest.split(":")
     if not (days.isdigit() and all(p.isdigit() for p in parts) and len(parts) <= 3):
-        raise UserError(f"--time {value!r} is not a Slurm time limit: give {forms}")
+        raise UserError(f"--time {value!r} is not a Slurm time limit: give {TIME_FORMS}")
     nums = [int(p) for p in parts]
     if dash:  # days-hours[:minutes[:seconds]]
-        seconds = int(days) * 86400 + sum(n * u for n, u in zip(nums, (3600, 60, 1)))
-    else:  # minutes[:seconds], or hours:minutes:seconds
-        units = {1: (60,), 2: (60, 1), 3: (3600, 60, 1)}[len(nums)]
-        seconds = sum(n * u for n, u in zip(nums, units))
+        return float(int(days) * 86400 + sum(n * u for n, u in zip(nums, (3600, 60, 1))))
+    units = {1: (60,), 2: (60, 1), 3: (3600, 60, 1)}[len(nums)]  # m, m:s, h:m:s
+    return float(sum(n * u for n, u in zip(nums, units)))
+
+
+def time_limit_s(value: str) -> float:
+    """`parse_time_limit`, refusing a limit that the job's USR2 warning (WARNING_S before
+    it) would reach at once: the job would checkpoint and requeue as soon as it started."""
+    seconds = parse_time_limit(value)
     if seconds <= WARNING_S:
-        raise UserError(f"--time {value!r} is {seconds} s: the job is told to checkpoint "
+        raise UserError(f"--time {value!r} is {seconds:.0f} s: the job is told to checkpoint "
                         f"and requeue {WARNING_S} s before its limit, so give a limit longer "
                         f"than {WARNING_S // 60} minutes")
-    return float(seconds)
+    return seconds
 
 
 def sbatch_parameters(*, config: Path, run_dir: Path, nodes: int, time_limit: str | None,
