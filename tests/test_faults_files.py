@@ -31,7 +31,11 @@ from traj_helpers import mk_call
 
 from gyre_slurm.models import tiny
 from gyre_slurm.monitor import model
+from gyre_slurm.config.schema import load_config
+from gyre_slurm.errors import UserError
 from gyre_slurm.runtime import checkpoint
+from gyre_slurm.runtime.coordinator import Coordinator
+from gyre_slurm.runtime.rundir import RunDir
 from gyre_slurm.common.fsio import (
     DiskFull, append_jsonl, drop_torn_tail, read_jsonl, write_bytes_atomic,
 )
@@ -318,8 +322,11 @@ def test_resume_falls_back_from_a_half_written_checkpoint_and_skips_garbled_reco
     garble(runs, line_offsets(runs)[line] + 2, b"\0" * 16)
     with open(run_copy / "events.jsonl", "ab") as f:
         f.write(b'{"kind": "step", "t": 17')  # the old job died mid-line (24 bytes)
+    old_secret = (run_copy / "secret").read_text()
+    (run_copy / "secret").unlink()  # copied without it: the resumed job makes a new one
     proc = gyre_run(run_copy, resume=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (run_copy / "secret").read_text() != old_secret
     assert f"checkpoint {ckpt / 'step_000002'} rejected: {ckpt / 'step_000002'}/trainer.pt " \
            f"is 1000000 bytes, manifest.json says 2396241" in proc.stderr
     assert "falling back from step_000002 to step_000001" in proc.stderr
@@ -336,6 +343,30 @@ def test_resume_falls_back_from_a_half_written_checkpoint_and_skips_garbled_reco
     check_resumed_run(run_copy, num_steps=2)
     ended = {r["run_id"] for r in read_jsonl(runs)}
     assert lost not in ended and f"{lost}-a1" in ended  # its record unusable: it ran again
+
+
+def test_resume_makes_a_missing_or_empty_secret_anew_and_the_state_private(tmp_path):
+    """A run dir copied or cleaned without its secret, or with it emptied, or with looser
+    modes: --resume makes a new secret (0600; every process holding one starts with the
+    job) and puts back the owner-only modes. Before, a missing secret was a traceback and
+    an empty one let `Authorization: Bearer ` through."""
+    run_dir = tmp_path / "run"
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [])
+    Coordinator(cfg, run_dir).prepare_run_dir()
+    secret = run_dir / "secret"
+    first = secret.read_text()
+    for damage in (secret.unlink, lambda: secret.write_text("\n")):
+        damage()
+        os.chmod(run_dir / "checkpoints", 0o755)
+        Coordinator(cfg, run_dir, resume=True).prepare_run_dir()
+        new = secret.read_text()
+        assert len(new) == 64 and new != first and RunDir(run_dir).secret() == new
+        assert secret.stat().st_mode & 0o777 == 0o600
+        assert (run_dir / "checkpoints").stat().st_mode & 0o777 == 0o700
+        first = new
+    secret.write_text("")  # emptied under a running job: its processes refuse it plainly
+    with pytest.raises(UserError, match="is empty: the job's processes cannot authenticate"):
+        RunDir(run_dir).secret()
 
 
 def test_resume_with_no_checkpoint_that_verifies_is_a_clear_error(run_copy):

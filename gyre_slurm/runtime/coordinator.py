@@ -194,6 +194,8 @@ class Coordinator:
         if self.resume:
             start = checkpoint.load_for_resume(self.rd)
             self._check_weights_file(start.version)
+            self.rd.ensure_secret()  # a run dir copied or cleaned without it
+            self.rd.make_private()  # and the owner-only modes, whatever the copy kept
             return start
         # Fresh: nothing there but the logs the batch script or `gyre submit` made.
         self.made_fresh = not self.rd.path.exists() or all(

@@ -39,6 +39,7 @@ from gyre_slurm.common.fsio import (append_jsonl, make_folder, write_bytes_atomi
                                    write_json_atomic)
 from gyre_slurm.config.loader import dump_yaml
 from gyre_slurm.config.schema import GyreConfig
+from gyre_slurm.errors import UserError
 
 
 PRIVATE_DIRS = ("checkpoints", "weights", "trainer_state")  # the model's state: owner only
@@ -85,9 +86,20 @@ class RunDir:
         for sub in ("calls", "runs", "stream", "logs") + PRIVATE_DIRS:
             (self.path / sub).mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(self.path / "config.yaml", dump_yaml(cfg).encode())
-        if not self.secret_file.exists():
-            write_bytes_atomic(self.secret_file, secrets.token_hex(32).encode(), mode=0o600)
+        self.ensure_secret()
         self.make_private()
+
+    def ensure_secret(self) -> None:
+        """The job's secret (0600), made anew where the file is missing or empty (a run
+        dir copied without it, or cleaned): every process that holds it starts with the
+        job, so a resumed job may have a new one, and an empty secret would let any
+        `Authorization: Bearer ` through."""
+        try:
+            have = bool(self.secret_file.read_text().strip())
+        except FileNotFoundError:
+            have = False
+        if not have:
+            write_bytes_atomic(self.secret_file, secrets.token_hex(32).encode(), mode=0o600)
 
     def clear(self) -> None:
         """Remove what a run refused as it was being made left in the run dir, keeping
@@ -112,7 +124,11 @@ class RunDir:
             os.chmod(self.secret_file, 0o600)
 
     def secret(self) -> str:
-        return self.secret_file.read_text().strip()
+        secret = self.secret_file.read_text().strip()
+        if not secret:  # `ensure_secret` ran as the job started: someone emptied it since
+            raise UserError(f"{self.secret_file} is empty: the job's processes cannot "
+                            f"authenticate; stop the job and resume it (a new one is made)")
+        return secret
 
     @property
     def external_key_file(self) -> Path:
