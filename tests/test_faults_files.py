@@ -369,6 +369,35 @@ def test_resume_makes_a_missing_or_empty_secret_anew_and_the_state_private(tmp_p
         RunDir(run_dir).secret()
 
 
+RUN_DIR_DAMAGE = {  # what is damaged -> (how, what the refusal says)
+    "model dir": (lambda d: shutil.rmtree(d / "model"), "model: no config.json"),
+    "model config": (lambda d: (d / "model" / "config.json").write_text("{["),
+                     "config.json does not read as a model config"),
+    "tokenizer": (lambda d: [f.unlink() for f in (d / "model").glob("tokenizer*")],
+                  "no tokenizer (tokenizer.json or tokenizer_config.json)"),
+    "v0 weights": (lambda d: os.truncate(tiny.weights_dir(d, 0) / tiny.WEIGHTS_FILE, 100),
+                   "the policy's version 0 (the training ranks' initial weights)"),
+}
+
+
+@pytest.mark.parametrize("damage", list(RUN_DIR_DAMAGE))
+def test_resume_of_a_run_dir_without_its_model_files_is_a_clear_error(run_copy, damage):
+    """The run's model (config, tokenizer) and its version-0 weights are read by every
+    engine, rank and the gateway: missing or garbled, --resume is refused (exit 2,
+    naming the file and how to restore it) before anything starts. Before, an engine or
+    rank failed with a traceback (an OSError from transformers, a JSONDecodeError, an
+    engine start answered 500)."""
+    how, words = RUN_DIR_DAMAGE[damage]
+    how(run_copy)
+    events = (run_copy / "events.jsonl").read_bytes()
+    proc = gyre_run(run_copy, resume=True, timeout_s=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "gyre run: error: --resume: " in proc.stderr and words in proc.stderr
+    assert "restore it from the run dir's copy" in proc.stderr
+    assert "Traceback" not in proc.stderr and "failed after" not in proc.stdout
+    assert (run_copy / "events.jsonl").read_bytes() == events  # nothing started
+
+
 def test_resume_with_no_checkpoint_that_verifies_is_a_clear_error(run_copy):
     ckpt = run_copy / "checkpoints"
     os.truncate(ckpt / "step_000002" / "trainer.pt", 10)

@@ -90,7 +90,7 @@ def is_weight_file(name: str) -> bool:
         or name.endswith(".bin.index.json")
 
 
-def _check_tokenizer(src: Path) -> None:
+def _check_tokenizer(src: Path, *, what: str = "model.path") -> None:
     """ValueError unless `src`'s tokenizer loads (as vLLM and the gateway will load it): a
     garbled tokenizer.json would otherwise fail every engine start on every cell."""
     try:
@@ -98,9 +98,34 @@ def _check_tokenizer(src: Path) -> None:
 
         AutoTokenizer.from_pretrained(str(src))
     except Exception as exc:  # noqa: BLE001 - a loader of outside files: any failure is the file's
-        raise ValueError(f"model.path {src}: its tokenizer (with the config.json "
+        raise ValueError(f"{what} {src}: its tokenizer (with the config.json "
                          f"transformers reads for it) does not load "
                          f"({type(exc).__name__}: {str(exc)[:500]})") from None
+
+
+def check_model_files(src: str | Path, *, what: str = "model.path",
+                      load_tokenizer: bool = True) -> None:
+    """ValueError unless `src` holds a config.json that is a JSON object and a tokenizer
+    (that loads, unless `load_tokenizer` is false): what every engine, rank and the
+    gateway read of a model directory."""
+    import json
+
+    src = Path(src)
+    config = src / "config.json"
+    if not config.is_file():
+        raise ValueError(f"{what} {src}: no config.json (a Hugging Face model directory "
+                         "holds config.json, the tokenizer and safetensors weights)")
+    try:
+        if not isinstance(json.loads(config.read_bytes()), dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{what} {config} does not read as a model config "
+                         f"({str(exc)[:200]})") from None
+    if not any((src / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(f"{what} {src}: no tokenizer (tokenizer.json or "
+                         "tokenizer_config.json)")
+    if load_tokenizer:
+        _check_tokenizer(src, what=what)
 
 
 def import_model_dir(src: str | Path, model_dir: str | Path, weights_dir: str | Path, *,
@@ -117,12 +142,7 @@ def import_model_dir(src: str | Path, model_dir: str | Path, weights_dir: str | 
     from gyre_slurm.models.shape import ModelShape
 
     src = Path(src).expanduser().resolve()
-    if not (src / "config.json").is_file():
-        raise ValueError(f"model.path {src}: no config.json (a Hugging Face model directory "
-                         "holds config.json, the tokenizer and safetensors weights)")
-    if not any((src / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        raise ValueError(f"model.path {src}: no tokenizer (tokenizer.json or "
-                         "tokenizer_config.json)")
+    check_model_files(src, load_tokenizer=False)  # loaded last: the weights say more
     shape = None
     if layout is not None:
         shape = ModelShape.from_model_dir(src)

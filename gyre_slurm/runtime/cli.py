@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
             rc, f"ended (exit code {rc})")
         return rc
     finally:
-        _print_summary(args.run_dir, outcome=outcome, prog=prog)
+        if not coordinator.refused:  # a refusal's error says why; the events are older
+            _print_summary(args.run_dir, outcome=outcome, prog=prog)
 
 
 def _print_summary(run_dir: Path, *, outcome: str, prog: str) -> None:

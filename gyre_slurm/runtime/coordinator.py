@@ -77,6 +77,7 @@ class Coordinator:
     def __init__(self, cfg: GyreConfig, run_dir: Path, *, resume: bool = False):
         self.cfg, self.rd, self.resume = cfg, RunDir(run_dir), resume
         self.made_fresh = False  # this job made the run dir's contents (prepare_run_dir)
+        self.refused = False  # a UserError before anything started (prepare_run_dir, roles)
         self.policy = run_policy(cfg)
         self.launcher = make_launcher(cfg.cluster.launcher, run_dir=self.rd.path,
                                       num_nodes=cfg.cluster.num_nodes,
@@ -141,6 +142,7 @@ class Coordinator:
             start = self.prepare_run_dir()
             await asyncio.to_thread(resolve_roles, self.cfg, self.rd.path)
         except UserError:
+            self.refused = True  # before anything started: no summary of earlier attempts
             if self.made_fresh:
                 self.rd.clear()
             raise
@@ -192,6 +194,7 @@ class Coordinator:
     def prepare_run_dir(self) -> checkpoint.Resume:
         """Create the run dir (or check it for --resume); where the job starts."""
         if self.resume:
+            self._check_model_files()  # before load_for_resume logs anything
             start = checkpoint.load_for_resume(self.rd)
             self._check_weights_file(start.version)
             self.rd.ensure_secret()  # a run dir copied or cleaned without it
@@ -222,6 +225,27 @@ class Coordinator:
         tiny.save_weights(tiny.new_model(self.rd.model_dir, seed=self.cfg.seed),
                           tiny.weights_dir(self.rd.path, 0))
         return checkpoint.Resume(0, None)
+
+    def _check_model_files(self) -> None:
+        """Resuming needs the run dir's model (config and tokenizer: every engine, rank
+        and the gateway read them) and the policy's version 0 (the ranks' initial
+        weights, and the servers' until the first sync), checked before anything starts:
+        a run dir copied without them, or with a file garbled, failed deep in a process
+        with a traceback."""
+        from gyre_slurm.models.weights import check_model_files
+
+        restore = ("restore it from the run dir's copy or backup (the run made it at its "
+                   "start" + (f", linking model.path {self.cfg.model.path}"
+                              if self.cfg.model.path else "") + ")")
+        try:
+            check_model_files(self.rd.model_dir, what="--resume: the run's model")
+        except ValueError as exc:
+            raise UserError(f"{exc}; {restore}") from None
+        try:
+            tiny.verify_weights(tiny.weights_dir(self.rd.path, 0))
+        except tiny.CorruptWeights as exc:
+            raise UserError(f"--resume: the policy's version 0 (the training ranks' "
+                            f"initial weights): {exc}; {restore}") from None
 
     def _check_weights_file(self, version: int) -> None:
         """Resuming with rollout.weight_sync: file needs the weights file of `version`
