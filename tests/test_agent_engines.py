@@ -17,8 +17,9 @@ from aiohttp import web
 from gyre_slurm.config.schema import load_config
 from gyre_slurm.engines import EngineClient
 from gyre_slurm.engines.embedded import START_DELAY_ENV
+from gyre_slurm.errors import UserError
 from gyre_slurm.runtime.agent import NodeAgent
-from gyre_slurm.runtime.control import CommandError, ControlClient, make_app
+from gyre_slurm.runtime.control import AgentRefused, CommandError, ControlClient, make_app
 from gyre_slurm.runtime.coordinator import Coordinator
 from gyre_slurm.runtime.node_engines import BadEngineCommand, EnginesClosed
 from gyre_slurm.runtime.roles import resolve_roles
@@ -193,10 +194,20 @@ def test_a_second_fault_during_a_restart_is_answered_plainly(agent_env):
 
 def test_engine_commands_over_the_control_channel_say_what_was_wrong(agent_env):
     """A restart of a server the node can never run is the client's mistake (400); a
-    command after the shutdown is refused (503); neither is a server failure (500)."""
-    _, _, make = agent_env
+    start the run dir cannot serve (a roles.json naming a container without a Slurm
+    job) is the user's to fix (422: `AgentRefused`, a UserError naming the node, which
+    ends the job without a traceback; it was a 500); a command after the shutdown is
+    refused (503); none is a server failure (500)."""
+    run_dir, _, make = agent_env
 
     async def main():
+        roles_file = run_dir / "roles.json"
+        good = roles_file.read_text()
+        written = json.loads(good)
+        written["rollout"]["container_image"] = "img.sqsh"
+        roles_file.write_text(json.dumps(written))
+        refusing = make()
+        roles_file.write_text(good)
         agent = make()
         app = make_app(agent.secret)
         app.router.add_post("/cmd/{name}", agent.handle)
@@ -206,7 +217,22 @@ def test_engine_commands_over_the_control_channel_say_what_was_wrong(agent_env):
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
         client = ControlClient(f"http://127.0.10.1:{port}", agent.secret, timeout_s=30)
+        refused = make_app(agent.secret)
+        refused.router.add_post("/cmd/{name}", refusing.handle)
+        refused_runner = web.AppRunner(refused, access_log=None)
+        await refused_runner.setup()
+        refused_site = web.TCPSite(refused_runner, "127.0.10.1", 0)
+        await refused_site.start()
+        refused_port = refused_site._server.sockets[0].getsockname()[1]
+        node0 = ControlClient(f"http://127.0.10.1:{refused_port}", agent.secret, node=0)
         try:
+            with pytest.raises(AgentRefused, match=r"node agent 0 \(/cmd/start_engine\): "
+                                                   r"container_image 'img.sqsh' .*Slurm job") \
+                    as refusal:
+                await node0.post("/cmd/start_engine", {"version": 0})
+            assert isinstance(refusal.value, UserError)  # the CLI's plain error, exit 2
+            assert isinstance(refusal.value, CommandError)  # recovery's retry or fail
+            assert not engine_pids(run_dir)
             with pytest.raises(CommandError, match=r"400 .*not server 7"):
                 await client.post("/cmd/restart_engine", {"server": 7, "version": 0})
             await agent.shutdown_engine()
@@ -214,7 +240,10 @@ def test_engine_commands_over_the_control_channel_say_what_was_wrong(agent_env):
                 await client.post("/cmd/start_engine", {"version": 0})
         finally:
             await client.close()
+            await node0.close()
             await runner.cleanup()
+            await refused_runner.cleanup()
+            await refusing.shutdown_engine()
 
     asyncio.run(main())
 

@@ -27,12 +27,31 @@ def test_an_unknown_role_env_says_which_roles_exist():
 
 
 def test_roles_file_round_trip(tmp_path):
-    cfg = load_config(None, ["trainer.python=" + sys.executable,
+    cfg = load_config(None, ["trainer.python=" + sys.executable, "cluster.launcher=slurm",
                              "rollout.container_image=nvcr.io/x/vllm:1"])
     written = roles.resolve_roles(cfg, tmp_path)
     assert roles.read_roles(tmp_path) == written
     assert written["trainer"] == {"python": sys.executable, "container_image": None}
     assert written["rollout"] == {"python": "python", "container_image": "nvcr.io/x/vllm:1"}
+
+
+def test_a_container_image_without_a_slurm_job_is_refused_before_any_step(tmp_path,
+                                                                          monkeypatch):
+    """A container runs through a nested srun step: with the local launcher (auto
+    outside an allocation) it is refused as the roles are resolved, before any process
+    starts; it had failed at the first engine start with a traceback."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    for section in ("rollout", "trainer"):
+        for launcher in ("local", "auto"):
+            cfg = load_config(None, [f"cluster.launcher={launcher}",
+                                     f"{section}.container_image=img.sqsh"])
+            with pytest.raises(UserError, match=f"{section}.container_image = 'img.sqsh' "
+                                                "runs the role through srun .* needs a Slurm job"):
+                roles.resolve_roles(cfg, tmp_path)
+    assert not (tmp_path / roles.ROLES_FILE).exists()
+    monkeypatch.setenv("SLURM_JOB_ID", "7")  # auto inside an allocation is Slurm
+    cfg = load_config(None, ["rollout.container_image=img.sqsh"])
+    assert roles.resolve_roles(cfg, tmp_path)["rollout"]["container_image"] == "img.sqsh"
 
 
 def test_a_container_runs_through_a_nested_srun_step(tmp_path, monkeypatch):

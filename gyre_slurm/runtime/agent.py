@@ -31,8 +31,9 @@ from aiohttp import web
 
 from gyre_slurm.common.values import is_number
 from gyre_slurm.config.schema import load_config
+from gyre_slurm.errors import UserError
 from gyre_slurm.models.tiny import weights_dir
-from gyre_slurm.runtime.control import ControlClient, make_app
+from gyre_slurm.runtime.control import USER_ERROR_STATUS, ControlClient, make_app
 from gyre_slurm.runtime.node_engines import BadEngineCommand, EnginesClosed, NodeEngines
 from gyre_slurm.runtime.rundir import RunDir
 
@@ -115,6 +116,9 @@ class NodeAgent:
             return web.json_response({"error": f"bad arguments for {name}: {exc}"}, status=400)
         except EnginesClosed as exc:
             return web.json_response({"error": f"{name}: {exc}"}, status=503)
+        except UserError as exc:  # a file of the run dir to fix: the job says so plainly
+            log.error("command %s refused: %s", name, exc)
+            return web.json_response({"error": str(exc)}, status=USER_ERROR_STATUS)
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator
             log.exception("command %s failed", name)
             return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=500)

@@ -30,6 +30,7 @@ from aiohttp import web
 from gyre_slurm.common.web import (BODY_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_BODY_BYTES, BadRequest,
                                    auth_middleware, check_arguments, fits, read_json_object,
                                    type_name)
+from gyre_slurm.errors import UserError
 
 ROUTE_FIELDS: dict[str, dict[str, type]] = {  # required fields of the coordinator's routes
     "/agent/register": {"node": int, "url": str},
@@ -109,6 +110,10 @@ class ControlClient:
             async with self._session.post(f"{self.base_url}{path}", json=payload or {},
                                           timeout=timeout) as resp:
                 body = await resp.json(content_type=None)
+                if resp.status == USER_ERROR_STATUS and isinstance(body, dict):
+                    where = f"node agent {self.node}" if self.node is not None \
+                        else f"{self.base_url}"
+                    raise AgentRefused(f"{where} ({path}): {body.get('error')}")
                 if resp.status != 200:
                     raise CommandError(f"{self.base_url}{path}: {resp.status} {body}")
                 return body
@@ -124,6 +129,16 @@ class ControlClient:
 
 class CommandError(RuntimeError):
     """A node agent refused or failed a command."""
+
+
+USER_ERROR_STATUS = 422  # a node agent's command failed on a UserError (a file to fix)
+
+
+class AgentRefused(CommandError, UserError):
+    """A node agent's command failed on something the user must fix (a UserError there:
+    a run dir's file missing or garbled); the message is its, and names the node.
+    A CommandError to the code that retries or fails a cell, a UserError (no traceback)
+    where it ends the job."""
 
 
 class AgentUnreachable(CommandError):

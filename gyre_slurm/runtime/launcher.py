@@ -171,10 +171,16 @@ class SlurmLauncher:
 Launcher = LocalLauncher | SlurmLauncher  # what the coordinator and recovery use
 
 
+def launcher_kind(kind: str) -> str:
+    """`cluster.launcher` as it runs: `auto` is Slurm inside an allocation (SLURM_JOB_ID
+    set), else local processes."""
+    if kind == "auto":
+        return "slurm" if os.environ.get("SLURM_JOB_ID") else "local"
+    return kind
+
+
 def make_launcher(kind: str, *, run_dir: Path, num_nodes: int, addr_prefix: str) -> Launcher:
     """`auto`: Slurm inside an allocation (SLURM_JOB_ID set), else local processes."""
-    if kind == "auto":
-        kind = "slurm" if os.environ.get("SLURM_JOB_ID") else "local"
-    if kind == "slurm":
+    if launcher_kind(kind) == "slurm":
         return SlurmLauncher(run_dir=run_dir, num_nodes=num_nodes)
     return LocalLauncher(run_dir=run_dir, num_nodes=num_nodes, addr_prefix=addr_prefix)

@@ -56,8 +56,16 @@ def resolve_python(spec: str | None, *, section: str) -> str:
 
 def resolve_roles(cfg: GyreConfig, run_dir: Path) -> dict:
     """Resolve both roles' interpreters; write and return RUN_DIR/roles.json."""
+    from gyre_slurm.runtime.launcher import launcher_kind
+
     roles = {}
+    launcher = launcher_kind(cfg.cluster.launcher)
     for section, conf in (("rollout", cfg.rollout), ("trainer", cfg.trainer)):
+        if conf.container_image and launcher != "slurm":
+            raise UserError(f"{section}.container_image = {conf.container_image!r} runs the "
+                            f"role through srun --container-image (pyxis): it needs a Slurm "
+                            f"job (sbatch/gyre.sbatch or gyre submit); unset it to run with "
+                            f"the local launcher")
         if conf.container_image:
             roles[section] = {"python": conf.python or "python",
                               "container_image": conf.container_image}
