@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gyre_slurm.common.yamltext import load_yaml
 from gyre_slurm.config.keys import iter_keys
 from gyre_slurm.config.loader import apply_overrides, dump_yaml, from_dict
 from gyre_slurm.config.presets import preset_names, preset_path
@@ -142,6 +143,30 @@ def test_a_yaml_bomb_is_refused_not_expanded(tmp_path):
         load_config(shared)
     shared.write_text("cluster: &c {num_nodes: 4}\nworkload: {num_steps: 3}\n")
     assert load_config(shared).cluster.num_nodes == 4
+
+
+@pytest.mark.parametrize("text, key, first", [
+    ("cluster:\n  num_nodes: 4\n  cell_nodes: 1\n  num_nodes: 8\n", "'num_nodes'", 2),
+    ("cluster: {num_nodes: 2}\nworkload: {num_steps: 3}\ncluster: {num_nodes: 4}\n",
+     "'cluster'", 1),
+    ("workload:\n  phases: [{from_step: 0, duration_scale: 2, duration_scale: 3}]\n",
+     "'duration_scale'", 2),
+])
+def test_a_key_given_twice_is_refused_not_the_last_kept(tmp_path, text, key, first):
+    """PyYAML keeps the last of a key given twice in one mapping: `num_nodes: 4` and a
+    later `num_nodes: 8` ran with 8 and no word. Refused, naming the key and both lines,
+    in a file and in a --set value; a key a merge (`<<: *base`) brought in may still be
+    overridden, as YAML says."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"found the key {key} again \(first on line "
+                                          rf"{first}\): YAML would keep only the last"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="found the key 'mean_s' again"):
+        load_config(None, ["workload.duration={mean_s: 10, mean_s: 20}"])
+    assert load_yaml("base: &b {num_nodes: 2, cell_nodes: 1}\ncluster:\n  <<: *b\n"
+                     "  num_nodes: 4\n", what="merge")["cluster"] == {
+        "num_nodes": 4, "cell_nodes": 1}
 
 
 def test_a_config_path_that_never_ends_is_refused_and_a_pipe_still_reads(tmp_path):

@@ -21,12 +21,39 @@ import yaml
 from gyre_slurm.errors import UserError
 
 MAX_VALUES = 100_000  # a whole config is a few hundred; a task file's tests, a few hundred
+MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class StrictLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a mapping with a key given twice: PyYAML keeps the
+    last silently, so `num_nodes: 4` and a later `num_nodes: 8` in one section ran with 8
+    and no word. Keys a merge (`<<: *base`) brings in may be overridden, as YAML says."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == MERGE_TAG:
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    again = key in first
+                except TypeError:  # an unhashable key: the base class says so
+                    continue
+                if again:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"found the key {key!r} again (first on line {first[key]}): YAML "
+                        f"would keep only the last; remove one", key_node.start_mark)
+                first[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_yaml(text: str, *, what: str) -> Any:
-    """The data of `text`; a UserError naming `what` if it is not YAML or too large."""
+    """The data of `text`; a UserError naming `what` if it is not YAML (or gives a key
+    twice in one mapping) or is too large."""
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=StrictLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as exc:
         raise UserError(f"{what} is not valid YAML: {exc}") from exc
     except RecursionError:  # PyYAML composes nested collections recursively
