@@ -192,6 +192,18 @@ def test_a_second_fault_during_a_restart_is_answered_plainly(agent_env):
     asyncio.run(main())
 
 
+async def serve_commands(agent: NodeAgent) -> tuple[web.AppRunner, str]:
+    """The agent's command routes on 127.0.10.1 (as `serve` has them, without registering
+    with a coordinator: the test is its coordinator); the runner and the URL."""
+    app = make_app(agent.secret)
+    app.router.add_post("/cmd/{name}", agent.handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.10.1", 0)
+    await site.start()
+    return runner, f"http://127.0.10.1:{site._server.sockets[0].getsockname()[1]}"
+
+
 def test_engine_commands_over_the_control_channel_say_what_was_wrong(agent_env):
     """A restart of a server the node can never run is the client's mistake (400); a
     start the run dir cannot serve (a roles.json naming a container without a Slurm
@@ -209,22 +221,10 @@ def test_engine_commands_over_the_control_channel_say_what_was_wrong(agent_env):
         refusing = make()
         roles_file.write_text(good)
         agent = make()
-        app = make_app(agent.secret)
-        app.router.add_post("/cmd/{name}", agent.handle)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.10.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        client = ControlClient(f"http://127.0.10.1:{port}", agent.secret, timeout_s=30)
-        refused = make_app(agent.secret)
-        refused.router.add_post("/cmd/{name}", refusing.handle)
-        refused_runner = web.AppRunner(refused, access_log=None)
-        await refused_runner.setup()
-        refused_site = web.TCPSite(refused_runner, "127.0.10.1", 0)
-        await refused_site.start()
-        refused_port = refused_site._server.sockets[0].getsockname()[1]
-        node0 = ControlClient(f"http://127.0.10.1:{refused_port}", agent.secret, node=0)
+        runner, url = await serve_commands(agent)
+        client = ControlClient(url, agent.secret, timeout_s=30)
+        refused_runner, refused_url = await serve_commands(refusing)
+        node0 = ControlClient(refused_url, agent.secret, node=0)
         try:
             with pytest.raises(AgentRefused, match=r"node agent 0 \(/cmd/start_engine\): "
                                                    r"container_image 'img.sqsh' .*Slurm job") \
