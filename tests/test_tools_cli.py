@@ -11,6 +11,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.parametrize("argv, message", [
     (["sim_table.py", "no-such-preset"], "sim_table.py: error: unknown preset 'no-such-preset'"),
+    (["sim_table.py", "--preset", "x"], "unrecognized arguments: --preset"),  # not a name
+    (["sim_table.py", "--losses", "no-such-preset"], "unknown preset 'no-such-preset'"),
+    (["sim_table.py", "--all", "deepswe-122b"], "--assumptions and --all take no PRESET"),
     (["make_tiny_model.py", "--heads", "3", "OUT"],
      "make_tiny_model.py: error: hidden_size 64, num_heads 3"),
     (["make_tiny_model.py", "--layers", "0", "OUT"], "--layers must be >= 1"),

@@ -190,18 +190,37 @@ def starved(presets) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["--losses"]:
-        losses(tuple(argv[1:]) or PRESETS)
-    elif argv[:1] == ["--starved"]:
-        starved(tuple(argv[1:]) or PRESETS)
-    elif argv[:1] == ["--assumptions"]:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="sim_table.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--assumptions", action="store_true",
+                      help="one preset, one assumption changed at a time")
+    mode.add_argument("--all", action="store_true", help="the tables and --assumptions")
+    mode.add_argument("--losses", action="store_true",
+                      help="where elastic's and async-stream's cell-seconds go")
+    mode.add_argument("--starved", action="store_true", help="elastic's empty rollout slots")
+    p.add_argument("presets", nargs="*", metavar="PRESET",
+                   help=f"default: {', '.join(PRESETS)}")
+    args = p.parse_args(argv)
+    presets = tuple(args.presets) or PRESETS
+    if (args.assumptions or args.all) and args.presets:
+        p.error("--assumptions and --all take no PRESET (they use their own)")
+    for name in presets:
+        preset_path(name)  # an unknown name is refused before any table is printed
+    if args.losses:
+        losses(presets)
+    elif args.starved:
+        starved(presets)
+    elif args.assumptions:
         assumptions()
-    elif argv[:1] == ["--all"]:  # both, each comparison run once
+    elif args.all:  # both, each comparison run once
         tables(PRESETS)
         print()
         assumptions()
     else:
-        tables(tuple(argv) or PRESETS)
+        tables(presets)
 
 
 if __name__ == "__main__":
