@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre_slurm.agents.external import mini_swe_agent_config
+from gyre_slurm.common.fsio import write_bytes_atomic
 from gyre_slurm.envs.base import run_reward
 from gyre_slurm.envs.sandbox import (HIDDEN, SANDBOX_PATH, default_sandbox_uid, drop_argv,
                                      ensure_bwrap, system_mounts)
@@ -149,7 +150,7 @@ class ScaffoldRunner:
             step_limit=self.spec.step_limit)
         config["environment"] = {"environment_class": "gyre_env.GyreSandboxEnvironment",
                                  "cwd": home_seen}
-        (self.home(run_id) / "mini.yaml").write_text(json.dumps(config, indent=1))
+        write_bytes_atomic(self.home(run_id) / "mini.yaml", json.dumps(config, indent=1).encode())
         helpers = OPT_GYRE if self.bwrap else str(HELPERS)
         return ([self.python, "-m", "minisweagent.run.mini", "-c", "mini_textbased.yaml",
                  "-c", f"{home_seen}/mini.yaml", "-t", task, "-o", f"{home_seen}/mini.traj.json"],
@@ -200,7 +201,7 @@ class ScaffoldRunner:
         if home.exists():
             shutil.rmtree(home)
         home.mkdir(parents=True, mode=0o700)
-        (home / "TASK.md").write_text(task)
+        write_bytes_atomic(home / "TASK.md", task.encode())
         if self.bwrap and os.geteuid() == 0:
             for p in (home, home / "TASK.md"):
                 os.chown(p, self.uid, self.uid)
