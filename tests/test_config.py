@@ -151,7 +151,7 @@ def test_a_yaml_bomb_is_refused_not_expanded(tmp_path):
      "'cluster'", 1),
     ("workload:\n  phases: [{from_step: 0, duration_scale: 2, duration_scale: 3}]\n",
      "'duration_scale'", 2),
-])
+], ids=["block", "flow-sections", "in-a-list"])
 def test_a_key_given_twice_is_refused_not_the_last_kept(tmp_path, text, key, first):
     """PyYAML keeps the last of a key given twice in one mapping: `num_nodes: 4` and a
     later `num_nodes: 8` ran with 8 and no word. Refused, naming the key and both lines,

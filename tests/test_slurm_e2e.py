@@ -79,20 +79,33 @@ def wait_version(run_dir: Path, version: int, *, timeout_s: float = 300) -> None
     pytest.fail(f"{run_dir} never reached version {version}")
 
 
-def test_sbatch_runs_the_tiny_job_with_handoffs_and_requeues_on_usr2(slurm_cluster, tmp_path):
-    """The batch file by hand: node agents as one srun step on the nodes' addresses, cells
-    moving; USR2 (Slurm's time-limit warning) to the batch shell stops the job, which
-    requeues itself and resumes, losing nothing. One job checked for both (the clean run
-    to the end: the vLLM/Megatron job below)."""
-    run_dir = tmp_path / "run"
-    job = sbatch(slurm_cluster, f"--output={tmp_path}/job-%j.out", "--gpus-per-node=4",
-                 str(ROOT / "sbatch" / "gyre.sbatch"), str(small_config(tmp_path)), str(run_dir))
+def test_gyre_submit_runs_the_tiny_job_with_handoffs_and_requeues_on_usr2(slurm_cluster,
+                                                                         tmp_path):
+    """`gyre submit` (submitit writes and submits the batch file; its batch shell becomes
+    sbatch/gyre.sbatch, the script users submit by hand): node agents as one srun step on
+    the nodes' addresses, cells moving; USR2 (Slurm's time-limit warning) to the batch
+    shell reaches the script's trap, stops the job, which requeues itself and resumes,
+    losing nothing. One job for both paths (it was two, a hand-made sbatch and a
+    submit, of the same script); the script by hand runs to the end in the vLLM/Megatron
+    job below."""
+    run_dir = tmp_path / "submitted"
+    env = dict(slurm_cluster.env(), PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "gyre_slurm", "submit",
+                           str(small_config(tmp_path)), "--run-dir", str(run_dir),
+                           "--gpus-per-node", "4"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.split("submitted job ")[1].split(";")[0]
+    assert str(run_dir) in proc.stdout
+    batch = (run_dir / "logs" / "submitit" / f"{job}_submission.sh").read_text()
+    assert "#SBATCH --signal=B:USR2@300" in batch and "#SBATCH --requeue" in batch
+    assert f"exec bash {ROOT / 'sbatch' / 'gyre.sbatch'} " in batch
     wait_version(run_dir, 2)
     before = {r["run_id"] for r in read_jsonl(run_dir / "runs" / "runs.jsonl")}
     subprocess.run(["scancel", "--batch", "--signal=USR2", job], env=slurm_cluster.env(),
                    check=True, timeout=30)
     state, restarts = wait_done(slurm_cluster, job)
-    log = (tmp_path / f"job-{job}.out").read_text()
+    log = (run_dir / "logs" / f"slurm-{job}.out").read_text()
     assert state == "COMPLETED" and restarts >= 1, (state, restarts, log[-3000:])
     events = check_run_dir(run_dir, num_steps=4)
     kinds = [e["kind"] for e in events]
@@ -114,32 +127,6 @@ def test_sbatch_runs_the_tiny_job_with_handoffs_and_requeues_on_usr2(slurm_clust
     # trainer.warm_up auto: under Slurm the ranks warm up as they start (not with the
     # local launcher, whose virtual nodes share the host's cores: test_runtime_e2e.py)
     assert "warmed up in" in (run_dir / "logs" / "trainer-node3-r0.log").read_text()
-
-
-def test_gyre_submit_end_to_end(slurm_cluster, tmp_path):
-    """`gyre submit` (submitit writes and submits the batch file; its batch shell becomes
-    sbatch/gyre.sbatch): the job runs, the USR2 Slurm sends the batch shell before the
-    time limit reaches the script's trap, the job requeues itself and resumes, losing
-    nothing."""
-    run_dir = tmp_path / "submitted"
-    env = dict(slurm_cluster.env(), PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "gyre_slurm", "submit",
-                           str(small_config(tmp_path)), "--run-dir", str(run_dir)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    job = proc.stdout.split("submitted job ")[1].split(";")[0]
-    assert str(run_dir) in proc.stdout
-    batch = (run_dir / "logs" / "submitit" / f"{job}_submission.sh").read_text()
-    assert "#SBATCH --signal=B:USR2@300" in batch and "#SBATCH --requeue" in batch
-    assert f"exec bash {ROOT / 'sbatch' / 'gyre.sbatch'} " in batch
-    wait_version(run_dir, 2)
-    subprocess.run(["scancel", "--batch", "--signal=USR2", job], env=slurm_cluster.env(),
-                   check=True, timeout=30)
-    state, restarts = wait_done(slurm_cluster, job)
-    log = (run_dir / "logs" / f"slurm-{job}.out").read_text()
-    assert state == "COMPLETED" and restarts >= 1, (state, restarts, log[-3000:])
-    kinds = [e["kind"] for e in check_run_dir(run_dir, num_steps=4)]
-    assert "requeue" in kinds and "resume" in kinds
 
 
 def test_a_sim_sweep_runs_as_a_job_array(slurm_cluster, tmp_path):
