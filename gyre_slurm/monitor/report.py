@@ -14,13 +14,11 @@ trained tokens the loss clipped, truncated or dropped.
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
-from gyre_slurm.common.fsio import write_bytes_atomic
 from gyre_slurm.errors import UserError
 from gyre_slurm.monitor import model
-from gyre_slurm.sim.report import ROLE_COLORS
+from gyre_slurm.sim.report import ROLE_COLORS, save_figure
 
 
 def draw_roles(ax, events: list[dict]) -> float:
@@ -171,10 +169,4 @@ def figure(run_dir: Path):
 
 
 def write_report(run_dir: Path, out: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig = figure(run_dir)
-    image = io.BytesIO()  # the format the suffix names (`check_plot_path`, done up front)
-    fig.savefig(image, dpi=100, format=out.suffix.lstrip(".").lower())
-    plt.close(fig)
-    write_bytes_atomic(out, image.getvalue())  # whole or not at all, as every file here
+    save_figure(figure(run_dir), out, dpi=100)

@@ -127,7 +127,16 @@ def plot_timelines(results: dict[str, SimResult], path: str, *, title: str,
     fig.legend(handles=handles, loc="upper right", ncol=3, fontsize=8)
     fig.suptitle(title, x=0.01, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
-    image = io.BytesIO()  # the format the suffix names (`check_plot_path`, done up front)
-    fig.savefig(image, dpi=110, format=Path(path).suffix.lstrip(".").lower())
+    save_figure(fig, path, dpi=110)
+
+
+def save_figure(fig, path: str | Path, *, dpi: int) -> None:
+    """Write `fig` to `path` in the format its suffix names (`check_plot_path`, done up
+    front), whole or not at all (rendered in memory, then renamed into place, as every
+    file here), and close it."""
+    import matplotlib.pyplot as plt
+
+    image = io.BytesIO()
+    fig.savefig(image, dpi=dpi, format=Path(path).suffix.lstrip(".").lower())
     plt.close(fig)
-    write_bytes_atomic(path, image.getvalue())  # whole or not at all, as every file here
+    write_bytes_atomic(path, image.getvalue())
