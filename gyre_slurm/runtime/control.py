@@ -112,7 +112,7 @@ class ControlClient:
                 body = await resp.json(content_type=None)
                 if resp.status == USER_ERROR_STATUS and isinstance(body, dict):
                     where = f"node agent {self.node}" if self.node is not None \
-                        else f"{self.base_url}"
+                        else self.base_url
                     raise AgentRefused(f"{where} ({path}): {body.get('error')}")
                 if resp.status != 200:
                     raise CommandError(f"{self.base_url}{path}: {resp.status} {body}")
