@@ -3,7 +3,8 @@
 A table of bad configs (over configs/tiny.yaml) each naming the key the error must name;
 then the real entry points: `gyre run` and `gyre submit` refuse before making a run dir or
 starting a node agent, and so does the sbatch script's first step (run as a shell script
-with the job's environment, and as a real job on the local Slurm cluster).
+with the job's environment, and as a real job on the local Slurm cluster). What only the
+nodes can tell (the GPUs they see) is refused once their agents register.
 """
 
 import os
@@ -32,6 +33,13 @@ BAD = [
     (["cluster.num_nodes=6", "cluster.cell_nodes=4"], "cluster.cell_nodes", "divisor"),
     (["model.heads=0"], "model.heads", "must be > 0"),
     (["model.heads=3"], "model.heads", "must divide"),
+    (["cluster.gpus_per_node=65"], "cluster.gpus_per_node", "must be <= 64 (GPUs of one node)"),
+    (["trainer.ranks_per_node=100000000000000000000000"], "trainer.ranks_per_node",
+     "must be <= 256 (processes on one node)"),
+    (["rollout.tensor_parallel=128"], "rollout.tensor_parallel", "must be <= 64"),
+    (["model.layers=100000"], "model.layers", "would have 4,108,865,600 parameters"),
+    (["model.family=qwen3_moe", "model.experts=1000000", "model.experts_per_token=1"],
+     "model.layers", "model.experts = 1000000"),
     (["agent.temperature=-1"], "agent.temperature", "must be >= 0"),
     (["optimizer.lr=0"], "optimizer.lr", "must be > 0"),
     (["agent.run_timeout_s=.nan"], "agent.run_timeout_s", "got nan"),
@@ -124,6 +132,43 @@ def test_gyre_run_refuses_before_starting_anything(gyre, bad_config, tmp_path):
                 check=False)
     assert proc.returncode == 2 and "agent.env = 'nope'" in proc.stderr
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("devices, env, seen", [
+    ([], {}, 0),  # no driver: a CPU node
+    ([], {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, 0),  # a Slurm gres of no real device
+    (["kfd"], {}, None),  # ROCm: not counted, not refused
+    (["nvidiactl", "nvidia0", "nvidia1", "nvidia-uvm", "nvidia-caps"], {}, 2),
+    (["nvidiactl", "nvidia0", "nvidia1"], {"CUDA_VISIBLE_DEVICES": "1"}, 1),
+    (["nvidiactl", "nvidia0", "nvidia1"], {"CUDA_VISIBLE_DEVICES": ""}, 0),
+    (["nvidiactl", "nvidia0", "nvidia1"], {"CUDA_VISIBLE_DEVICES": "NoDevFiles"}, 0),
+    (["nvidiactl", "nvidia0", "nvidia1"], {"CUDA_VISIBLE_DEVICES": "0,-1,1"}, 1),
+    (["nvidiactl", "nvidia0"], {"CUDA_VISIBLE_DEVICES": "GPU-8f3a-11, MIG-2c1d-0"}, 2),
+])
+def test_a_node_counts_the_gpus_its_processes_can_use(tmp_path, devices, env, seen):
+    from gyre_slurm.runtime.agent import visible_gpus
+
+    for name in devices:
+        (tmp_path / name).touch()
+    assert visible_gpus(env, dev=tmp_path) == seen
+
+
+def test_gyre_run_on_nodes_without_the_gpus_it_asks_for_is_refused_before_training(
+        gyre, tmp_path):
+    """This machine has no GPU: a config that asks for two a node is refused once the
+    node agents have said what they see, before a rank trains or a server starts (it
+    failed at the first training join with a rank's "Torch not compiled with CUDA
+    enabled" and a traceback); the run dir keeps only the logs, so the same command with
+    the config fixed makes the run afresh."""
+    run_dir = tmp_path / "run"
+    proc = gyre("run", str(TINY), "--run-dir", str(run_dir), "--set",
+                "cluster.gpus_per_node=2", check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert ("cluster.gpus_per_node = 2, but 4 of the job's 4 nodes see fewer GPUs (node 0 "
+            "has 0, node 1 has 0") in proc.stderr, proc.stderr
+    assert "gyre submit --gpus-per-node 2" in proc.stderr
+    assert [p.name for p in run_dir.iterdir()] == ["logs"]
 
 
 def test_gyre_submit_refuses_before_sbatch(gyre, bad_config, tmp_path):

@@ -45,6 +45,16 @@ def _all_positive(section: Any, names: tuple[str, ...], *, allow_zero: bool = Fa
 MAX_RUNS_PER_NODE = 100_000
 MAX_TEMPERATURE = 1e6  # the gateway's (gateway/openai.py): a call above it is refused
 MAX_POLICY_INTERVAL_S = 3600.0  # scheduler.interval_s: a move waits up to one interval
+# GPUs of one node, and processes of one node's training ranks: above any machine's (an
+# HGX node has 8 GPUs, the largest 16). A rank count of 10**23 made each node agent
+# build that many environments until it died, and the job ended with a traceback.
+MAX_GPUS_PER_NODE = 64
+MAX_RANKS_PER_NODE = 256
+# The tiny model (model.path unset) is built from random weights in the coordinator's
+# memory and copied to every rank and engine: for tests and CPU runs (its default has
+# 0.15 M parameters), far below this. A model of millions of layers took the machine's
+# memory before anything said why.
+TINY_MAX_PARAMS = 1_000_000_000
 
 
 def _at_least(name: str, value: float, limit: float, why: str) -> None:
@@ -73,6 +83,7 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         _positive("num_nodes", self.num_nodes)
         _positive("gpus_per_node", self.gpus_per_node, allow_zero=True)
+        _at_most("gpus_per_node", self.gpus_per_node, MAX_GPUS_PER_NODE, "GPUs of one node")
         _positive("cell_nodes", self.cell_nodes)
         if self.num_nodes % self.cell_nodes:
             raise FieldError(
@@ -279,6 +290,31 @@ class ModelConfig:
         if self.hidden_size % self.heads:
             raise FieldError("heads", f"= {self.heads} must divide "
                              f"model.hidden_size = {self.hidden_size}")
+        if self.path is None:
+            n = self.tiny_params()
+            if n > TINY_MAX_PARAMS:
+                raise FieldError("layers", f"= {self.layers}, model.hidden_size = "
+                                 f"{self.hidden_size}" + (f", model.experts = {self.experts}"
+                                                          if self.family == "qwen3_moe" else "")
+                                 + f": the tiny model would have {n:,} parameters; it is made "
+                                 f"from random weights in the coordinator's memory, for tests "
+                                 f"and CPU runs, at most {TINY_MAX_PARAMS:,}: make it smaller, "
+                                 f"or give a real model with model.path")
+
+    def tiny_params(self) -> int:
+        """Parameters of the tiny model these keys make (models.tiny.make_model_dir: a
+        vocabulary of at most 512, an MLP of twice the hidden size, experts of half)."""
+        from gyre_slurm.models.shape import ModelShape
+
+        h = self.hidden_size
+        moe = self.family == "qwen3_moe"
+        return ModelShape(family=self.family, vocab_size=512, hidden_size=h,
+                          ffn_hidden_size=2 * h, num_layers=self.layers, num_heads=self.heads,
+                          num_kv_heads=self.heads, head_dim=h // self.heads,
+                          num_experts=self.experts if moe else 0,
+                          moe_top_k=self.experts_per_token if moe else 0,
+                          moe_ffn_hidden_size=max(1, h // 2) if moe else 0,
+                          ).num_params()["total"]
 
 
 def _check_role_python(section: str, python: str | None, image: str | None) -> None:
@@ -347,6 +383,8 @@ class RolloutConfig:
                   "first weight sync would fail mid-job")
         if self.tensor_parallel is not None:
             _positive("tensor_parallel", self.tensor_parallel)
+            _at_most("tensor_parallel", self.tensor_parallel, MAX_GPUS_PER_NODE,
+                     "a server runs inside one node")
         _check_role_python("rollout", self.python, self.container_image)
         if self.engine == "embedded" and (self.engine_args or self.release == "sleep"):
             raise ConfigError("rollout.engine_args and rollout.release: sleep apply to "
@@ -495,6 +533,8 @@ class TrainerConfig:
         _all_positive(self, ("tensor_parallel", "pipeline_parallel", "expert_parallel"))
         if self.ranks_per_node is not None:
             _positive("ranks_per_node", self.ranks_per_node)
+            _at_most("ranks_per_node", self.ranks_per_node, MAX_RANKS_PER_NODE,
+                     "processes on one node")
         _check_role_python("trainer", self.python, self.container_image)
         if self.backend == "torch" and self.tensor_parallel * self.pipeline_parallel > 1:
             raise ConfigError("trainer.tensor_parallel / pipeline_parallel > 1 need "

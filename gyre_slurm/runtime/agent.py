@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -39,6 +40,27 @@ from gyre_slurm.runtime.rundir import RunDir
 
 log = logging.getLogger(__name__)
 ORPHAN_S = 30.0
+_CUDA_ID = re.compile(r"\d+|(GPU|MIG)-[0-9A-Za-z-]+")
+
+
+def visible_gpus(env: dict | None = None, dev: Path = Path("/dev")) -> int | None:
+    """The NVIDIA GPUs this node's processes can use, without importing torch: the ids
+    in CUDA_VISIBLE_DEVICES (CUDA stops at the first it cannot read: `-1`, `NoDevFiles`),
+    or the /dev/nvidiaN devices where it is unset; 0 without the driver's /dev/nvidiactl
+    (a Slurm gres of no real device sets the variable all the same). None where the node
+    may have GPUs of another kind (/dev/kfd: ROCm), which this does not count."""
+    env = os.environ if env is None else env
+    if not (dev / "nvidiactl").exists():
+        return None if (dev / "kfd").exists() else 0
+    ids = env.get("CUDA_VISIBLE_DEVICES")
+    if ids is None:
+        return sum(1 for p in dev.glob("nvidia*") if p.name[6:].isdigit())
+    count = 0
+    for part in ids.split(","):
+        if not _CUDA_ID.fullmatch(part.strip()):
+            break
+        count += 1
+    return count
 
 
 class NodeAgent:
@@ -75,7 +97,8 @@ class NodeAgent:
         # (CUDA_VISIBLE_DEVICES) are the engine's; say which they are.
         await self.coordinator.post("/agent/register", {
             "node": self.node_index, "url": url, "pid": os.getpid(),
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")})
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "gpus": visible_gpus()})
         log.info("node agent %d serving on %s", self.node_index, url)
         beat = asyncio.create_task(self.heartbeat())
         # Start the rank processes (they import the trainer's libraries) now, so that

@@ -152,6 +152,11 @@ class Coordinator:
         self.launcher.start(self.control_url)
         try:
             await asyncio.wait_for(self.registry.registered.wait(), timeout=120)
+            try:
+                self.registry.check_gpus()
+            except UserError:
+                self.refused = True  # before a rank or server started
+                raise
             if self.resume:
                 await checkpoint.replay_runs(book=self.book, rd=self.rd,
                                              finish=self.rollouts.finish)
@@ -165,6 +170,8 @@ class Coordinator:
             return 0
         finally:
             await self.shutdown()
+            if self.refused and self.made_fresh:
+                self.rd.clear()  # the same command, once fixed, makes the run afresh
 
     async def run_loops(self) -> None:
         """Until training has finished its last step (and checkpoint), or a loop fails,
