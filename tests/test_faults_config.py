@@ -37,6 +37,10 @@ BAD = [
     (["trainer.ranks_per_node=100000000000000000000000"], "trainer.ranks_per_node",
      "must be <= 256 (processes on one node)"),
     (["rollout.tensor_parallel=128"], "rollout.tensor_parallel", "must be <= 64"),
+    (["workload.group_size=100000000"], "workload.num_steps",
+     "x prompts_per_step x group_size = 40 x 4 x 100,000,000 = 16,000,000,000 runs"),
+    (["cluster.num_nodes=100000000000000000000000"], "cluster.num_nodes",
+     "must be <= 100,000 (nodes of one job)"),
     (["model.layers=100000"], "model.layers", "would have 4,108,865,600 parameters"),
     (["model.family=qwen3_moe", "model.experts=1000000", "model.experts_per_token=1"],
      "model.layers", "model.experts = 1000000"),
@@ -169,6 +173,34 @@ def test_gyre_run_on_nodes_without_the_gpus_it_asks_for_is_refused_before_traini
             "has 0, node 1 has 0") in proc.stderr, proc.stderr
     assert "gyre submit --gpus-per-node 2" in proc.stderr
     assert [p.name for p in run_dir.iterdir()] == ["logs"]
+
+
+def test_gyre_run_outside_slurm_refuses_more_nodes_than_the_local_launcher_has(gyre,
+                                                                               tmp_path):
+    """`cluster.launcher: auto` (the default) is the local launcher outside a Slurm job:
+    300 nodes need 300 addresses 127.0.10.N (it started agents that never all registered,
+    and the job ended with a bare TimeoutError)."""
+    env_job = os.environ.pop("SLURM_JOB_ID", None)
+    try:
+        proc = gyre("run", str(TINY), "--run-dir", str(tmp_path / "run"), "--set",
+                    "cluster.num_nodes=300", check=False)
+    finally:
+        if env_job is not None:
+            os.environ["SLURM_JOB_ID"] = env_job
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "cluster.num_nodes = 300: the local launcher (this is not a Slurm job)" \
+        in proc.stderr
+    assert not (tmp_path / "run" / "logs").exists()  # no agent was started
+
+
+def test_node_agents_that_do_not_register_in_time_are_named_with_their_logs(gyre, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = gyre("run", str(TINY), "--run-dir", str(run_dir), "--set",
+                "faults.agent_register_s=0.01", check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert "4 of 4 node agents did not register within faults.agent_register_s = 0.01 s " \
+           "(nodes 0, 1, 2, 3): see " + str(run_dir / "logs" / "agent-node1.log") in proc.stderr
+    assert "raise faults.agent_register_s" in proc.stderr
 
 
 def test_gyre_submit_refuses_before_sbatch(gyre, bad_config, tmp_path):

@@ -503,3 +503,21 @@ def test_disk_full_in_the_call_store_stops_the_run_and_resume_loses_nothing(tmp_
         kept = load_store(run_dir)
         for rid, calls in before.runs.items():  # every call recorded before is still there
             assert Counter(c.call for c in kept.runs[rid]) == Counter(c.call for c in calls)
+
+
+@pytest.mark.parametrize("change, words", [
+    ("workload.num_steps=1", "--set workload.num_steps=1: the run has trained 2 steps"),
+    ("model.heads=2", "--resume cannot change model.heads (model.heads: 4 -> 2)"),
+    ("workload.group_size=3", "--resume cannot change workload.group_size"),
+])
+def test_resume_refuses_a_change_the_run_dirs_state_cannot_take(run_copy, change, words):
+    """`--set` on resume changes the run from there on (config.yaml is rewritten, which
+    every process reads); but not what the recorded state was made of, nor fewer steps
+    than were trained (the run would end at once, its config saying it had run fewer).
+    Refused before anything starts; config.yaml untouched."""
+    config = (run_copy / "config.yaml").read_bytes()
+    proc = gyre_run(run_copy, change, resume=True, timeout_s=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "gyre run: error: " in proc.stderr and words in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert (run_copy / "config.yaml").read_bytes() == config

@@ -114,7 +114,7 @@ def test_workload_file_with_a_trace(gyre):
     (["--preset", "small", "--set", "workload.phases=[{from_step: 0, turns: 1000000000}]"],
      "policy ticks"),
     (["--preset", "small", "--set", "workload.num_steps=100000000"],
-     "the workload has 3,200,000,000 runs"),
+     "100,000,000 x 8 x 4 = 3,200,000,000 runs; a job (and a simulation) books"),
     (["--preset", "small", "--set", "cluster.num_nodes=100000"], "100,000 cells"),
     (["--preset", "small", "--set", "handoff.engine_start_s=1e8"],
      "handoff.engine_start_s = 1e+08 s is longer than"),

@@ -4,6 +4,7 @@ TensorBoard's own reader."""
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +15,8 @@ from gyre_slurm.runtime.metrics import MetricsLog, read_metrics
 from gyre_slurm.train.loss import LossSettings, rows_from_trajectories
 from gyre_slurm.train.metrics import merge, merge_all, rewards, staleness, step_metrics
 from gyre_slurm.train.signals import loss_and_signals
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def traj(run_id, versions, *, mask=None, logprobs=None, adv=0.5, n=None):
@@ -162,3 +165,64 @@ def test_metrics_log_reads_back_with_tensorboard(tmp_path):
     hist = acc.Histograms("staleness/lag")
     assert [h.step for h in hist] == [0, 1, 2, 3, 4]
     assert hist[4].histogram_value.num == 5 + 7 and hist[4].histogram_value.max == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch", "megatron"])
+def test_a_diverged_run_skips_steps_keeps_its_servers_and_stops_with_the_fix(gyre, tmp_path,
+                                                                             backend, request):
+    """A learning rate of 1e30 makes the first update's weights huge and every gradient
+    after it non-finite (both trainers: Megatron's optimizer is made of its parts to
+    check the norm, `megatron.worker._clip_and_step`). A skipped step is a step: the version advances and the unchanged
+    weights are published as it (the servers had none to load, failed the weight load and
+    were restarted). After `faults.max_skipped_steps` in a row the job stops, saying
+    which steps and how to go on; each skipped step is an event and a metric. Resumed
+    with a lower learning rate, the trainer uses it."""
+    if backend == "megatron":
+        request.getfixturevalue("megatron_python")  # its environment, made if missing
+    run_dir = tmp_path / "run"
+    proc = gyre("run", str(ROOT / "configs" / "tiny.yaml"), "--run-dir", str(run_dir),
+                "--set", "workload.num_steps=5", "--set", "optimizer.lr=1e30",
+                "--set", "faults.max_skipped_steps=2", *(
+                    ["--set", "trainer.backend=megatron", "--set", "trainer.python=env:megatron"]
+                    if backend == "megatron" else []), check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert ("training skipped 2 optimizer steps in a row (steps 1-2) for a non-finite "
+            "gradient norm: the model has diverged") in proc.stderr, proc.stderr
+    assert "no checkpoint is from before it: start the run again" in proc.stderr
+    assert "faults.max_skipped_steps" in proc.stderr
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    skipped = [(e["step"], e["in_a_row"]) for e in events if e["kind"] == "step_skipped"]
+    assert skipped == [(1, 1), (2, 2)]
+    steps = {e["step"]: e for e in events if e["kind"] == "step"}
+    assert [steps[s]["version"] for s in (0, 1, 2)] == [1, 2, 3]
+    assert [steps[s]["stats"]["version"] for s in (0, 1, 2)] == [1, 2, 3]  # the ranks' too
+    assert not [e for e in events if e["kind"] in ("engine_unhealthy", "engine_restarted")]
+    loads = [e for e in events if e["kind"] == "weights_loaded"]
+    assert loads and all(not e["failed"] for e in loads), loads
+    for version in (2, 3):  # the weights of version 1, published again
+        assert (run_dir / "weights" / f"v{version:06d}" / "model.safetensors").read_bytes() \
+            == (run_dir / "weights" / "v000001" / "model.safetensors").read_bytes()
+    metrics = read_metrics(run_dir)
+    assert [m["train/skipped"] for m in metrics] == [0, 1, 1]
+    # What the run dir's state was made of cannot change on resume; nothing is touched.
+    config = (run_dir / "config.yaml").read_bytes()
+    proc = gyre("run", "--resume", "--run-dir", str(run_dir), "--set", "model.hidden_size=128",
+                "--set", "optimizer.lr=0.005", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "--resume cannot change model.hidden_size (model.hidden_size: 64 -> 128)" \
+        in proc.stderr, proc.stderr
+    assert (run_dir / "config.yaml").read_bytes() == config
+    # Resumed with another learning rate, every process takes it (config.yaml, which
+    # the ranks read, is rewritten; the optimizer's saved state carried the old rate
+    # back), and with no limit the job trains through skipped steps.
+    proc = gyre("run", "--resume", "--run-dir", str(run_dir), "--set", "optimizer.lr=0.005",
+                "--set", "faults.max_skipped_steps=0", check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "lr: 0.005" in (run_dir / "config.yaml").read_text()
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["changes"] for e in events if e["kind"] == "config_changed"] == [
+        {"optimizer.lr": [1e30, 0.005], "faults.max_skipped_steps": [2, 0]}]
+    lrs = [(e["step"], e["stats"]["lr"]) for e in events if e["kind"] == "step"]
+    assert lrs == [(0, 1e30), (1, 1e30), (2, 1e30), (3, 0.005), (4, 0.005)], lrs

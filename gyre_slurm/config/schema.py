@@ -21,15 +21,16 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from gyre_slurm.config.agents import GatewayConfig
-from gyre_slurm.config.loader import apply_overrides, from_dict, key, load_yaml_file
-from gyre_slurm.config.sections import (AgentConfig, ClusterConfig, DurationConfig,
-                                        FaultsConfig, HandoffConfig, LossConfig, ModelConfig,
-                                        MonitorConfig, OptimizerConfig, PolicyName,
-                                        RolloutConfig, SchedulerConfig, SimConfig,
-                                        TrainerConfig, TrainingConfig, WorkloadConfig)
+from gyre_slurm.config.loader import apply_overrides, from_dict, key, load_yaml_file, to_dict
+from gyre_slurm.config.sections import (MAX_LOCAL_NODES, AgentConfig, ClusterConfig,
+                                        DurationConfig, FaultsConfig, HandoffConfig,
+                                        LossConfig, ModelConfig, MonitorConfig,
+                                        OptimizerConfig, PolicyName, RolloutConfig,
+                                        SchedulerConfig, SimConfig, TrainerConfig,
+                                        TrainingConfig, WorkloadConfig)
 from gyre_slurm.errors import ConfigError
 
 __all__ = ["AgentConfig", "ClusterConfig", "DurationConfig", "FaultsConfig", "GatewayConfig", "GyreConfig",
@@ -166,10 +167,11 @@ class GyreConfig:
 
     def _check_runtime(self) -> None:
         cl = self.cluster
-        if cl.launcher == "local" and cl.num_nodes > 254:
+        if cl.launcher == "local" and cl.num_nodes > MAX_LOCAL_NODES:
             raise ConfigError(f"cluster.num_nodes = {cl.num_nodes}: the local "
                               f"launcher gives each node one address {cl.node_addr_prefix}N "
-                              f"(N up to 254); use fewer nodes or cluster.launcher: slurm")
+                              f"(N up to {MAX_LOCAL_NODES}); use fewer nodes or "
+                              f"cluster.launcher: slurm")
         max_tokens = self.agent.max_tokens
         if self.rollout.engine == "vllm" and max_tokens >= self.rollout.max_model_len:
             raise ConfigError(f"agent.max_tokens = {max_tokens} leaves no room for a "
@@ -290,6 +292,43 @@ class GyreConfig:
     def cell_capacity(self) -> int:
         """Concurrent runs one cell serves (the hard cap of the rollout model)."""
         return self.rollout.runs_per_node * self.cluster.cell_nodes
+
+
+# What a resumed run may not change with `--set`: what its run dir's state was made of
+# (the model's weights and tokenizer, the run ids of every recorded call and trajectory,
+# the trainer state's format and layout). Everything else (the learning rate, the steps
+# to run, the scheduler, faults, the launcher) may change on resume.
+FIXED_ON_RESUME = ("model.", "workload.prompts_per_step", "workload.group_size",
+                   "trainer.backend", "trainer.precision", "trainer.tensor_parallel",
+                   "trainer.pipeline_parallel", "trainer.expert_parallel",
+                   "trainer.distributed_optimizer")
+
+
+def changed_keys(old: GyreConfig, new: GyreConfig) -> dict[str, tuple[Any, Any]]:
+    """Key path -> (old, new) for every value that differs (lists compared whole)."""
+    out: dict[str, tuple[Any, Any]] = {}
+
+    def walk(a: Any, b: Any, path: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict) and path.count(".") < 8:
+            for k in sorted(set(a) | set(b)):
+                walk(a.get(k), b.get(k), f"{path}.{k}" if path else k)
+        elif a != b:
+            out[path] = (a, b)
+
+    walk(to_dict(old), to_dict(new), "")
+    return out
+
+
+def check_resume_changes(changes: dict[str, tuple[Any, Any]]) -> None:
+    """Refuse a `--set` on resume that changes what the run dir's state was made of."""
+    fixed = [k for k in changes if any(k == f or (f.endswith(".") and k.startswith(f))
+                                       for f in FIXED_ON_RESUME)]
+    if fixed:
+        said = "; ".join(f"{k}: {changes[k][0]!r} -> {changes[k][1]!r}" for k in fixed[:6])
+        raise ConfigError(
+            f"--resume cannot change {', '.join(fixed[:6])} ({said}): the run dir's model, "
+            f"recorded runs and trainer state were made with the old value; drop the "
+            f"--set, or start a new run (another --run-dir)")
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None,

@@ -49,7 +49,14 @@ MAX_POLICY_INTERVAL_S = 3600.0  # scheduler.interval_s: a move waits up to one i
 # HGX node has 8 GPUs, the largest 16). A rank count of 10**23 made each node agent
 # build that many environments until it died, and the job ended with a traceback.
 MAX_GPUS_PER_NODE = 64
+MAX_NUM_NODES = 100_000  # nodes of one job: the largest machines have about 10,000
+MAX_LOCAL_NODES = 254  # the local launcher's node i binds PREFIX(i + 1): one octet each
 MAX_RANKS_PER_NODE = 256
+# Runs of a whole job: the coordinator books every run of the job as it starts (about
+# 350 bytes and 8 us each; runtime.book.StepBook), and so does the simulator (a row of
+# its arrays each). 10**23 runs a step hung `gyre run` before it printed a line; this is
+# above any real job (1,000 steps of 2,000 runs).
+MAX_JOB_RUNS = 2_000_000
 # The tiny model (model.path unset) is built from random weights in the coordinator's
 # memory and copied to every rank and engine: for tests and CPU runs (its default has
 # 0.15 M parameters), far below this. A model of millions of layers took the machine's
@@ -82,6 +89,7 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         _positive("num_nodes", self.num_nodes)
+        _at_most("num_nodes", self.num_nodes, MAX_NUM_NODES, "nodes of one job")
         _positive("gpus_per_node", self.gpus_per_node, allow_zero=True)
         _at_most("gpus_per_node", self.gpus_per_node, MAX_GPUS_PER_NODE, "GPUs of one node")
         _positive("cell_nodes", self.cell_nodes)
@@ -210,6 +218,14 @@ class WorkloadConfig:
             raise FieldError("llm_time_fraction",
                              f"must be in [0, 1], got {self.llm_time_fraction}")
         check_phases(self.phases, num_steps=self.num_steps, trace=self.duration.dist == "trace")
+        runs = self.num_steps * self.runs_per_step
+        if runs > MAX_JOB_RUNS:
+            raise FieldError("num_steps", f"x prompts_per_step x group_size = "
+                             f"{self.num_steps:,} x {self.prompts_per_step:,} x "
+                             f"{self.group_size:,} = {runs:,} runs; a job (and a simulation) "
+                             f"books every run of the job as it starts, at most "
+                             f"{MAX_JOB_RUNS:,}: run fewer steps or smaller ones (a "
+                             f"simulation's figures are per step and per job alike)")
 
     @property
     def runs_per_step(self) -> int:
@@ -602,13 +618,20 @@ class FaultsConfig:
     engine_handoff_timeout_s: float = key(
         120.0, "an engine that does not release or resume within this is killed; the "
                "cell's next rollout starts new engines")
+    agent_register_s: float = key(
+        300.0, "every node agent registers within this after the launch, or the job "
+               "stops naming the nodes that did not (srun of hundreds of nodes importing "
+               "Python from a shared filesystem can take minutes)")
+    max_skipped_steps: int = key(
+        3, "optimizer steps in a row whose non-finite gradient norm skips their update "
+           "before the job stops (the model has diverged); 0: never stop")
 
     def __post_init__(self) -> None:
         _all_positive(self, ("heartbeat_s", "agent_lost_s", "engine_check_s",
                              "engine_health_timeout_s", "engine_strikes", "max_run_attempts",
-                             "engine_handoff_timeout_s"))
+                             "engine_handoff_timeout_s", "agent_register_s"))
         _all_positive(self, ("max_engine_restarts", "run_restart_backoff_s",
-                             "engine_start_grace_s"), allow_zero=True)
+                             "engine_start_grace_s", "max_skipped_steps"), allow_zero=True)
         if self.agent_lost_s < 2 * self.heartbeat_s:
             raise FieldError("agent_lost_s", f"= {self.agent_lost_s:g} s is under two "
                              f"heartbeats (faults.heartbeat_s = {self.heartbeat_s:g} s): "

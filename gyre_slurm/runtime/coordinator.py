@@ -45,7 +45,9 @@ from pathlib import Path
 
 import numpy as np
 
-from gyre_slurm.config.schema import GyreConfig
+from gyre_slurm.common.fsio import write_bytes_atomic
+from gyre_slurm.config.loader import dump_yaml
+from gyre_slurm.config.schema import GyreConfig, load_config
 from gyre_slurm.errors import UserError
 from gyre_slurm.models import tiny
 from gyre_slurm.runtime import checkpoint
@@ -151,7 +153,7 @@ class Coordinator:
         freeze_startup_heap()  # torch, transformers, the tokenizer: out of the GC's scans
         self.launcher.start(self.control_url)
         try:
-            await asyncio.wait_for(self.registry.registered.wait(), timeout=120)
+            await self.wait_for_agents()
             try:
                 self.registry.check_gpus()
             except UserError:
@@ -172,6 +174,24 @@ class Coordinator:
             await self.shutdown()
             if self.refused and self.made_fresh:
                 self.rd.clear()  # the same command, once fixed, makes the run afresh
+
+    async def wait_for_agents(self) -> None:
+        """Every node agent registered, within `faults.agent_register_s` of the launch;
+        else the job stops naming the nodes that did not and their logs (a bare
+        TimeoutError after a fixed 120 s before)."""
+        limit = self.cfg.faults.agent_register_s
+        try:
+            await asyncio.wait_for(self.registry.registered.wait(), timeout=limit)
+        except TimeoutError:
+            missing = [n for n in range(self.cfg.cluster.num_nodes)
+                       if n not in self.registry.agents]
+            logs = ", ".join(str(self.launcher.agent_log(n)) for n in missing[:3])
+            raise AgentLost(
+                f"{len(missing)} of {self.cfg.cluster.num_nodes} node agents did not "
+                f"register within faults.agent_register_s = {limit:g} s (nodes "
+                f"{', '.join(map(str, missing[:10]))}{' ...' if len(missing) > 10 else ''}): "
+                f"see {logs}{' ...' if len(missing) > 3 else ''}; on a loaded or slow "
+                f"machine raise faults.agent_register_s") from None
 
     async def run_loops(self) -> None:
         """Until training has finished its last step (and checkpoint), or a loop fails,
@@ -201,11 +221,20 @@ class Coordinator:
     def prepare_run_dir(self) -> checkpoint.Resume:
         """Create the run dir (or check it for --resume); where the job starts."""
         if self.resume:
+            changes = self._resume_changes()
             self._check_model_files()  # before load_for_resume logs anything
             start = checkpoint.load_for_resume(self.rd)
+            if "workload.num_steps" in changes and start.version > self.cfg.workload.num_steps:
+                raise UserError(f"--set workload.num_steps={self.cfg.workload.num_steps}: "
+                                f"the run has trained {start.version} steps; give at least "
+                                f"that many (or leave it as it was)")
             self._check_weights_file(start.version)
             self.rd.ensure_secret()  # a run dir copied or cleaned without it
             self.rd.make_private()  # and the owner-only modes, whatever the copy kept
+            if changes:  # every process of the job reads config.yaml: one config for all
+                write_bytes_atomic(self.rd.path / "config.yaml", dump_yaml(self.cfg).encode())
+                self.rd.event("config_changed", changes={
+                    k: [old, new] for k, (old, new) in changes.items()})
             return start
         # Fresh: nothing there but the logs the batch script or `gyre submit` made.
         self.made_fresh = not self.rd.path.exists() or all(
@@ -232,6 +261,18 @@ class Coordinator:
         tiny.save_weights(tiny.new_model(self.rd.model_dir, seed=self.cfg.seed),
                           tiny.weights_dir(self.rd.path, 0))
         return checkpoint.Resume(0, None)
+
+    def _resume_changes(self) -> dict:
+        """What `--set` changes in the run dir's config.yaml on resume (key -> (old,
+        new)); a change to what the run dir's state was made of is refused. The node
+        agents, ranks and engines read config.yaml: the changes are written there before
+        any starts (before, they reached the coordinator alone: a resumed
+        `--set optimizer.lr=...` never reached the trainer)."""
+        from gyre_slurm.config.schema import changed_keys, check_resume_changes
+
+        changes = changed_keys(load_config(self.rd.path / "config.yaml"), self.cfg)
+        check_resume_changes(changes)
+        return changes
 
     def _check_model_files(self) -> None:
         """Resuming needs the run dir's model (config and tokenizer: every engine, rank

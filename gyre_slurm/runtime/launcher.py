@@ -23,6 +23,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from gyre_slurm.config.sections import MAX_LOCAL_NODES
+from gyre_slurm.errors import UserError
+
 log = logging.getLogger(__name__)
 
 
@@ -183,4 +186,9 @@ def make_launcher(kind: str, *, run_dir: Path, num_nodes: int, addr_prefix: str)
     """`auto`: Slurm inside an allocation (SLURM_JOB_ID set), else local processes."""
     if launcher_kind(kind) == "slurm":
         return SlurmLauncher(run_dir=run_dir, num_nodes=num_nodes)
+    if num_nodes > MAX_LOCAL_NODES:  # `auto` outside a Slurm job (the config checks `local`)
+        raise UserError(f"cluster.num_nodes = {num_nodes}: the local launcher (this is not a "
+                        f"Slurm job) gives each node one address {addr_prefix}N (N up to "
+                        f"{MAX_LOCAL_NODES}); use fewer nodes, or run it as a Slurm job "
+                        f"(gyre submit, sbatch sbatch/gyre.sbatch)")
     return LocalLauncher(run_dir=run_dir, num_nodes=num_nodes, addr_prefix=addr_prefix)

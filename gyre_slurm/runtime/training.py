@@ -22,6 +22,7 @@ import statistics
 import time
 from typing import TYPE_CHECKING
 
+from gyre_slurm.errors import UserError
 from gyre_slurm.models import tiny
 from gyre_slurm.runtime import checkpoint
 from gyre_slurm.runtime.book import Microbatch
@@ -34,6 +35,11 @@ from gyre_slurm.runtime.world import TrainWorld
 if TYPE_CHECKING:
     from gyre_slurm.runtime.metrics import MetricsLog
     from gyre_slurm.runtime.wsync import WeightStream
+
+
+class TrainingDiverged(UserError):
+    """`faults.max_skipped_steps` optimizer steps in a row had a non-finite gradient
+    norm: the job stops (a diverged model would take the rest of it training nothing)."""
 
 
 class MicrobatchFailed(Exception):
@@ -54,6 +60,7 @@ class TrainingLoop:
         self.train_rate: list[float] = []  # tokens/s per cell of each micro-batch
         self.step_signals: dict[int, dict] = {}  # stream index -> its micro-batch's sums
         self.rewards: list[dict] = []  # per step: mean reward, ok runs
+        self.skipped: list[int] = []  # the steps skipped in a row so far (non-finite norm)
 
     def tokens_per_cell_s(self, prior: float) -> float:
         """Measured training speed of one cell (the median of the last 20 micro-batches);
@@ -71,6 +78,7 @@ class TrainingLoop:
                     if not trained and world.members and book.step_complete():
                         await self.finish_step()
                         await self.checkpoint()
+                        self.check_diverged()
                         continue
                 except MicrobatchFailed as failed:  # a member lost? rebuild and rewind
                     await self.recovery.after_training_error(failed.error, failed.microbatch)
@@ -132,6 +140,12 @@ class TrainingLoop:
                                                 num_step_tokens=max(1, state.trained_tokens))
         figures = step_figures(book, step, merge_all(self.step_signals.values()),
                                grad_norm=stats.get("grad_norm"))
+        if stats.get("skipped"):  # the update was dropped; the version advances all the same
+            self.skipped.append(step)
+            rd.event("step_skipped", step=step, grad_norm=str(stats.get("grad_norm")),
+                     in_a_row=len(self.skipped))
+        else:
+            self.skipped.clear()
         self.step_signals.clear()
         version = book.step_done()
         self.metrics.write(step=step, version=version, figures=figures)
@@ -142,6 +156,29 @@ class TrainingLoop:
                 await self.handoffs.load_weights_everywhere(version)
         finally:  # the step is done even if a rank was lost while it was sent
             self._step_event(step, state, version, t0, stats, figures)
+
+    def check_diverged(self) -> None:
+        limit = self.job.cfg.faults.max_skipped_steps
+        if not limit or len(self.skipped) < limit:
+            return
+        first, rd = self.skipped[0], self.job.rd
+        # the weights of version `first` gave the first non-finite gradients: a checkpoint
+        # of an earlier version (step_N holds version N) is from before the divergence
+        before = sorted(p.name for p in rd.checkpoints.glob("step_*")
+                        if p.name[5:].isdigit() and int(p.name[5:]) < first)
+        if before:
+            how = (f"write the name of a checkpoint from before it ({', '.join(before[-3:])} "
+                   f"in {rd.checkpoints}) into {rd.checkpoints / 'latest'} and resume with a "
+                   f"lower learning rate (gyre run --resume --run-dir {rd.path} --set "
+                   f"optimizer.lr=...)")
+        else:
+            how = ("no checkpoint is from before it: start the run again (another --run-dir) "
+                   "with a lower optimizer.lr")
+        raise TrainingDiverged(
+            f"training skipped {len(self.skipped)} optimizer steps in a row (steps {first}-"
+            f"{self.skipped[-1]}) for a non-finite gradient norm: the model has diverged "
+            f"by step {first}. To go on, {how}; or let the job train through more skipped "
+            f"steps (faults.max_skipped_steps, {limit} now; 0: never stop)")
 
     def _step_event(self, step, state, version, t0, stats, figures) -> None:
         book, rd = self.job.book, self.job.rd

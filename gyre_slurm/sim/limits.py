@@ -3,7 +3,8 @@ refused up front, with what to change, rather than left to run for days or to ex
 memory (a hostile or mistyped workload file: runs of 1e30 s, a throughput of 1e-30
 tokens/s, a million steps).
 
-- at most MAX_RUNS runs (each is a row of the workload's arrays);
+- at most config.sections.MAX_JOB_RUNS runs (each is a row of the workload's arrays),
+  refused as the config loads (the runtime books every run too);
 - at most MAX_CELLS cells (a policy tick looks at every cell; 64 cells already take
   minutes), each serving at most MAX_CELL_RUNS runs at once;
 - at most MAX_TICKS policy ticks: the job's makespan, at the least (all rollout work on
@@ -27,7 +28,6 @@ from gyre_slurm.sim.training import train_throughput
 if TYPE_CHECKING:  # sim.workload imports this module (check_size)
     from gyre_slurm.sim.workload import Workload
 
-MAX_RUNS = 2_000_000
 MAX_CELLS = 1024
 MAX_TICKS = 2_000_000
 MAX_CELL_RUNS = 1_000_000  # runs one cell serves at once (a rate table holds one per load)
@@ -39,13 +39,6 @@ class TooLargeToSimulate(UserError):
 
 def check_size(cfg: GyreConfig) -> None:
     """Runs and cells, before anything is allocated."""
-    w = cfg.workload
-    runs = w.num_steps * w.runs_per_step
-    if runs > MAX_RUNS:
-        raise TooLargeToSimulate(
-            f"the workload has {runs:,} runs (workload.num_steps {w.num_steps:,} x "
-            f"{w.runs_per_step:,} a step); the simulator takes at most {MAX_RUNS:,}: "
-            f"simulate fewer steps (its figures are per step and per job alike)")
     if cfg.cell_capacity > MAX_CELL_RUNS:
         raise TooLargeToSimulate(
             f"a cell serves {cfg.cell_capacity:,} runs at once (rollout.runs_per_node "

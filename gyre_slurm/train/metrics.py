@@ -10,7 +10,8 @@ TensorBoard (keys are TensorBoard tags, grouped by their prefix):
   train/      loss (Σ ℓ_t / N, the step's loss), clip_frac (tokens with a zero-gradient
               clip branch / N), is_truncated_frac, is_dropped_frac, ratio_mean (the
               trainer/sampler ratio ρ), is_weight_mean, entropy (mean over trained
-              tokens), grad_norm (before clipping), tokens, trajectories
+              tokens), grad_norm (before clipping), tokens, trajectories, skipped (1:
+              a non-finite grad_norm skipped the update; the version advanced)
   mismatch/   abs_mean, abs_max (|logπ - logμ| over trained tokens), kl_k3, kl_k1
               (estimates of KL(sampler ‖ trainer) per token: see train/signals.py); and
               per policy lag L: lag<L>/abs_mean, lag<L>/abs_max, lag<L>/kl_k3,
@@ -36,6 +37,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from gyre_slurm.common.values import is_number
+
+# the trainers' log line for an optimizer step a non-finite gradient norm skips
+SKIPPED = ("non-finite gradient norm (%s): the step's update is skipped and its gradients "
+           "dropped; the version advances with the weights unchanged")
 
 
 def merge(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any]:
@@ -72,7 +77,9 @@ def train_figures(sums: dict[str, Any], *, grad_norm: float | None) -> dict[str,
            "train/ratio_mean": _ratio(sums.get("ratio_sum", 0.0), n),
            "train/is_weight_mean": _ratio(sums.get("weight_sum", 0.0), n),
            "train/entropy": _ratio(sums.get("entropy_sum", 0.0), n),
-           "train/grad_norm": grad_norm, "train/tokens": n}
+           "train/grad_norm": grad_norm, "train/tokens": n,
+           # a non-finite norm skipped the step's update (the version advanced)
+           "train/skipped": int(is_number(grad_norm) and not math.isfinite(grad_norm))}
     out.update(_mismatch("mismatch/", sums))
     out["mismatch/kl_k1"] = _ratio(sums.get("mismatch_k1_sum", 0.0), n)
     for lag, part in sorted((sums.get("by_lag") or {}).items(), key=lambda kv: int(kv[0])):

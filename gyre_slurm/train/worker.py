@@ -46,6 +46,7 @@ import torch.distributed as dist
 from gyre_slurm.train import dist as gdist
 from gyre_slurm.train.dist import WorldSpec
 from gyre_slurm.train.loss import LossSettings, rows_from_trajectories
+from gyre_slurm.train.metrics import SKIPPED
 from gyre_slurm.train.signals import loss_and_signals
 from gyre_slurm.train.tree import register_hf_attention, to_inputs, tree_loss_and_signals
 from gyre_slurm.train.wsync.endpoint import StreamSender
@@ -71,6 +72,13 @@ def flat_grads_and_adamw(params: list, *, lr: float):
         optimizer.state[p].update(step=torch.tensor(0.0, dtype=torch.float32),
                                   exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
     return grads, optimizer
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The configured learning rate on every group: torch's `load_state_dict` restores the
+    saved one, so a run resumed with `--set optimizer.lr=...` kept the old rate."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 class TrainerWorker(StreamSender):
@@ -138,6 +146,7 @@ class TrainerWorker(StreamSender):
             self.version = int(state.get("version", self.version))
             state = state["optimizer"]
         self.optimizer.load_state_dict(state)
+        set_lr(self.optimizer, self.lr)
 
     # ---- world membership -----------------------------------------------------------
 
@@ -271,6 +280,9 @@ class TrainerWorker(StreamSender):
     def optimizer_step(self, *, publish_dir: Path | None = None,
                        num_step_tokens: int | None = None) -> dict[str, Any]:
         """All-reduce(sum) gradients, clip, AdamW step, zero; rank 0 publishes weights.
+        A non-finite gradient norm skips the update (`skipped`); the version advances
+        all the same and the unchanged weights are published as it, so that the servers
+        load the version the runtime counts (they had no weights to load, and restarted).
 
         Streaming trains micro-batches before the step's token count is known: they can
         accumulate unnormalised sums (`train_microbatch(num_step_tokens=1)`) and the
@@ -284,17 +296,18 @@ class TrainerWorker(StreamSender):
         norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.grad_clip))
         skipped = not math.isfinite(norm)
         if skipped:
-            logger.warning("non-finite gradient norm: step skipped, gradients dropped")
+            logger.warning(SKIPPED, norm)
         else:
             self.optimizer.step()
-            self.version += 1
+        self.version += 1  # a skipped step is a step too: its policy is the one before
         self._grads.zero_()
         t2 = time.perf_counter()
-        if publish_dir is not None and (self.rank or 0) == 0 and not skipped:
+        if publish_dir is not None and (self.rank or 0) == 0:
             from gyre_slurm.models.tiny import save_weights
 
             save_weights(self.model, publish_dir)
         return {"version": self.version, "grad_norm": norm, "skipped": skipped,
+                "lr": self.optimizer.param_groups[0]["lr"],
                 "allreduce_s": t1 - t0, "step_s": t2 - t1,
                 "publish_s": time.perf_counter() - t2}
 
@@ -356,6 +369,7 @@ class TrainerWorker(StreamSender):
         with torch.no_grad():
             self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        set_lr(self.optimizer, self.lr)
         self.version = int(state["version"])
         torch.set_rng_state(state["rng"]["torch"].cpu())
         if "cuda" in state["rng"] and torch.cuda.is_available():

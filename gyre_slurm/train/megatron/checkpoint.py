@@ -64,7 +64,8 @@ class CheckpointIO:
         meta = {"version": 0, "format": "", "precision": "", "optimizer_parts": 0}
         sharded = state.sharded_state(self.core, self.optimizer, meta=meta, loading=True)
         loaded = dist_checkpointing.load(sharded, str(path))
-        meta = state.apply_loaded(self.core, self.optimizer, loaded, source=str(path))
+        meta = state.apply_loaded(self.core, self.optimizer, loaded, source=str(path),
+                                  lr=self.lr)
         self.version = int(meta["version"])
 
     def _check_optimizer_parts(self, path: Path) -> None:

@@ -34,6 +34,24 @@ def torch_optimizers(optimizer) -> list:
     return [p.optimizer for p in parts if getattr(p, "optimizer", None) is not None]
 
 
+def _saved_groups_at(sd, lr: float) -> None:
+    """Give a saved optimizer state's parameter groups the configured learning rate
+    before it loads. Megatron finds each saved group by a key that includes its
+    `max_lr`, so a state saved at another rate (a run resumed with `--set
+    optimizer.lr=...`) did not load ("Could not find parameter group"), and torch's
+    `load_state_dict` would have put the saved rate back (the torch trainer:
+    `train.worker.set_lr`)."""
+    if isinstance(sd, dict):
+        for group in sd.get("param_groups") or ():
+            if isinstance(group, dict):
+                group["lr"] = lr
+                if "max_lr" in group:
+                    group["max_lr"] = lr
+        for key, value in sd.items():
+            if key != "param_groups":
+                _saved_groups_at(value, lr)
+
+
 def init_adam_state(optimizer) -> None:
     """Create AdamW's state (step 0, zero moments) now, not at the first step: every
     world, and every checkpoint, then has the same layout, even before a step."""
@@ -145,14 +163,16 @@ def unshare_steps(optimizer) -> None:
                 st["step"] = st["step"].detach().clone()
 
 
-def apply_loaded(core, optimizer, loaded: dict, *, source: str) -> dict:
-    """Put a loaded `sharded_state` into the model, optimizer and gradient buffers."""
+def apply_loaded(core, optimizer, loaded: dict, *, source: str, lr: float) -> dict:
+    """Put a loaded `sharded_state` into the model, optimizer (at learning rate `lr`, the
+    configured one, whatever the state was saved at) and gradient buffers."""
     params = [p for p in core.parameters() if p.requires_grad]
     with torch.no_grad():
         missing, unexpected = core.load_state_dict(loaded["model"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise RuntimeError(f"{source}: missing {missing}, unexpected {unexpected}")
+        _saved_groups_at(loaded["optimizer"], lr)
         optimizer.load_state_dict(loaded["optimizer"])
         unshare_steps(optimizer)
         for i, p in enumerate(params):

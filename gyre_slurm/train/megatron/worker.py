@@ -59,7 +59,7 @@ from gyre_slurm.models.weights import HFWeights
 from gyre_slurm.train import dist as gdist
 from gyre_slurm.train.dist import WorldSpec
 from gyre_slurm.train.loss import LossSettings, token_logprobs
-from gyre_slurm.train.metrics import merge_all
+from gyre_slurm.train.metrics import SKIPPED, merge_all
 from gyre_slurm.train.signals import loss_and_signals
 from gyre_slurm.train.megatron import build, convert, state
 from gyre_slurm.train.megatron.build import Layout
@@ -442,18 +442,18 @@ class MegatronWorker(CheckpointIO, StreamSender):
         t1 = time.perf_counter()
         norm, skipped = self._clip_and_step()
         if skipped:
-            logger.warning("non-finite gradient norm: step skipped, gradients dropped")
-        else:
-            self.version += 1
+            logger.warning(SKIPPED, norm)
+        self.version += 1  # a skipped step is a step too: its policy is the one before
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         t2 = time.perf_counter()
         target = str(publish_dir) if publish_dir is not None else None
         if self.world_size > 1:
             target = gdist.broadcast_text(target, src=0)
-        if target is not None and not skipped:
+        if target is not None:  # skipped too: the servers load the version counted
             self.publish(Path(target))
         return {"version": self.version, "grad_norm": norm, "skipped": skipped,
+                "lr": state.torch_optimizers(self.optimizer)[0].param_groups[0]["lr"],
                 "allreduce_s": t1 - t0, "step_s": t2 - t1,
                 "publish_s": time.perf_counter() - t2}
 
