@@ -49,6 +49,9 @@ MAX_POLICY_INTERVAL_S = 3600.0  # scheduler.interval_s: a move waits up to one i
 # HGX node has 8 GPUs, the largest 16). A rank count of 10**23 made each node agent
 # build that many environments until it died, and the job ended with a traceback.
 MAX_GPUS_PER_NODE = 64
+# A sequence's tokens: the tiny model's positions follow it, and 10**23 made a config.json
+# no trainer reads (Megatron's shapes are int32); vLLM's rotary cache grows with it.
+MAX_MODEL_LEN = 1 << 24
 MAX_NUM_NODES = 100_000  # nodes of one job: the largest machines have about 10,000
 MAX_LOCAL_NODES = 254  # the local launcher's node i binds PREFIX(i + 1): one octet each
 MAX_RANKS_PER_NODE = 256
@@ -64,14 +67,18 @@ MAX_JOB_RUNS = 2_000_000
 TINY_MAX_PARAMS = 1_000_000_000
 
 
+def _num(value: float) -> str:
+    return f"{value:,}" if isinstance(value, int) else f"{value:,g}"
+
+
 def _at_least(name: str, value: float, limit: float, why: str) -> None:
     if not value >= limit:
-        raise FieldError(name, f"must be >= {limit:,g} ({why}), got {value:g}")
+        raise FieldError(name, f"must be >= {_num(limit)} ({why}), got {value:g}")
 
 
 def _at_most(name: str, value: float, limit: float, why: str) -> None:
     if value > limit:
-        raise FieldError(name, f"must be <= {limit:,g} ({why}), got {value:g}")
+        raise FieldError(name, f"must be <= {_num(limit)} ({why}), got {value:g}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -394,6 +401,11 @@ class RolloutConfig:
                       allow_zero=True)
         _all_positive(self, ("call_interval_s", "max_model_len", "weight_bucket_mb",
                              "weight_sync_timeout_s"))
+        _at_most("max_model_len", self.max_model_len, MAX_MODEL_LEN,
+                 "tokens of one sequence; the longest contexts are about 10 M")
+        _at_most("weight_bucket_mb", self.weight_bucket_mb, 1 << 20,
+                 "1 TiB: a bucket over the model's size holds all of it; 1e30 passed its "
+                 "size to vLLM's server as an integer past 64 bits, and no sync started")
         _at_least("weight_bucket_mb", self.weight_bucket_mb, 0.001,
                   "a bucket holds at least one tensor whatever its size; under 1 KB the "
                   "first weight sync would fail mid-job")

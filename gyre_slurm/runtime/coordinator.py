@@ -60,6 +60,7 @@ from gyre_slurm.runtime.recovery import Recovery
 from gyre_slurm.runtime.registry import AgentRegistry
 from gyre_slurm.runtime.rollouts import RolloutManager
 from gyre_slurm.runtime.rundir import RunDir
+from gyre_slurm.runtime.runlock import LOCK_FILE, RunDirBusy, RunLock
 from gyre_slurm.runtime.training import TrainingLoop
 from gyre_slurm.runtime.world import TrainWorld
 from gyre_slurm.sched.cells import Cell, CellTable, Role
@@ -133,6 +134,23 @@ class Coordinator:
 
     # -- the job -------------------------------------------------------------------------
     async def run(self) -> int:
+        """The job, holding the run dir's lock (runtime.runlock) from before anything is
+        read or written there to after the last process stopped."""
+        loop = asyncio.get_running_loop()
+        lock = RunLock(self.rd.path, on_lost=lambda why: loop.call_soon_threadsafe(
+            self.job.failure.set, RunDirBusy(why)))
+        self.rd.path.mkdir(parents=True, exist_ok=True)
+        try:
+            lock.acquire()
+        except RunDirBusy:
+            self.refused = True  # another coordinator's run: nothing of it is touched
+            raise
+        try:
+            return await self._run()
+        finally:
+            lock.release()
+
+    async def _run(self) -> int:
         from gyre_slurm.runtime.gcpolicy import freeze_startup_heap
         from gyre_slurm.runtime.roles import resolve_roles
 
@@ -238,7 +256,8 @@ class Coordinator:
             return start
         # Fresh: nothing there but the logs the batch script or `gyre submit` made.
         self.made_fresh = not self.rd.path.exists() or all(
-            p.name == "logs" and p.is_dir() for p in self.rd.path.iterdir())
+            (p.name == "logs" and p.is_dir()) or p.name == LOCK_FILE
+            for p in self.rd.path.iterdir())
         self.rd.create(self.cfg)
         model = self.cfg.model
         if model.path is not None:  # a Hugging Face model dir: linked, not copied

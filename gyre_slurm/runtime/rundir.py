@@ -15,6 +15,8 @@ RUN_DIR/
   trainer_state/        the trainer's state handed from one training world to the next
   model/                the model's config and tokenizer
   logs/                 one file per node agent and per engine process
+  coordinator.lock      who runs the job now (host, pid, Slurm job): one coordinator per
+                        run dir (runtime.runlock); removed when the job ends
 ```
 
 Access: the secret is 0600 and the model's state (`checkpoints/`, `weights/`,
