@@ -451,3 +451,15 @@ def test_live_view_under_tmux(run_dir, tmp_path, key):
         assert done.read_text().strip() == "0"
     finally:
         subprocess.run(["tmux", "-S", sock, "kill-server"], capture_output=True, timeout=10)
+
+
+def test_the_commands_a_run_prints_are_quoted_for_the_shell(tmp_path):
+    """A run dir with a space, a `;` or a `$(...)` in its path: the printed `gyre status`
+    command, pasted into a shell, names that path and runs nothing else."""
+    import shlex
+
+    from gyre_slurm.monitor.summary import start_text
+
+    run_dir = tmp_path / "a b; touch x" / "$(touch y)"
+    watch = [line for line in start_text(run_dir).splitlines() if "watch" in line][0]
+    assert shlex.split(watch.split("watch", 1)[1]) == ["gyre", "status", str(run_dir)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from shlex import quote
 from typing import Any, Iterable
 
 from gyre_slurm.common.fsio import read_jsonl
@@ -25,7 +26,7 @@ def start_text(run_dir: Path, *, prog: str = "gyre", resume: bool = False) -> st
     how = "resuming from checkpoints/latest" if resume else "starting"
     return "\n".join([
         f"gyre run: {how}; run dir {run_dir}",
-        f"  watch    {prog} status {run_dir}",
+        f"  watch    {prog} status {quote(str(run_dir))}",
         f"  events   {run_dir / 'events.jsonl'}   logs {run_dir / 'logs'}/",
     ])
 
@@ -79,7 +80,7 @@ def end_text(run_dir: Path, *, outcome: str, prog: str = "gyre") -> str:
         f"  handoffs {s['handoffs']}" + (f" ({dirs})" if dirs else ""),
         f"  reward   {reward}",
         f"  run dir  {run_dir}",
-        f"  report   {prog} report {run_dir} -o {report}",
+        f"  report   {prog} report {quote(str(run_dir))} -o {quote(str(report))}",
     ])
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from shlex import quote
 from typing import TYPE_CHECKING
 
 from gyre_slurm.errors import UserError
@@ -169,7 +170,7 @@ class TrainingLoop:
         if before:
             how = (f"write the name of a checkpoint from before it ({', '.join(before[-3:])} "
                    f"in {rd.checkpoints}) into {rd.checkpoints / 'latest'} and resume with a "
-                   f"lower learning rate (gyre run --resume --run-dir {rd.path} --set "
+                   f"lower learning rate (gyre run --resume --run-dir {quote(str(rd.path))} --set "
                    f"optimizer.lr=...)")
         else:
             how = ("no checkpoint is from before it: start the run again (another --run-dir) "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from shlex import quote
 
 
 def register(subparsers) -> None:
@@ -28,5 +29,5 @@ def run(args: argparse.Namespace) -> int:
                      time_limit=args.time_limit, partition=args.partition,
                      gpus_per_node=args.gpus_per_node, extra=args.sbatch_arg)
     print(f"submitted job {job.job_id}; run dir {job.run_dir}")
-    print(f"watch it: gyre status {job.job_id}    (or gyre status {job.run_dir})")
+    print(f"watch it: gyre status {job.job_id}    (or gyre status {quote(str(job.run_dir))})")
     return 0
