@@ -173,11 +173,11 @@ def test_a_diverged_run_skips_steps_keeps_its_servers_and_stops_with_the_fix(gyr
                                                                              backend, request):
     """A learning rate of 1e30 makes the first update's weights huge and every gradient
     after it non-finite (both trainers: Megatron's optimizer is made of its parts to
-    check the norm, `megatron.worker._clip_and_step`). A skipped step is a step: the version advances and the unchanged
-    weights are published as it (the servers had none to load, failed the weight load and
-    were restarted). After `faults.max_skipped_steps` in a row the job stops, saying
-    which steps and how to go on; each skipped step is an event and a metric. Resumed
-    with a lower learning rate, the trainer uses it."""
+    check the norm, `megatron.worker._clip_and_step`). A skipped step is a step: the
+    version advances and the unchanged weights are published as it (the servers had none
+    to load, failed the weight load and were restarted). After `faults.max_skipped_steps`
+    in a row the job stops, saying which steps and how to go on; each skipped step is an
+    event and a metric. Resumed with a lower learning rate, the trainer uses it."""
     if backend == "megatron":
         request.getfixturevalue("megatron_python")  # its environment, made if missing
     run_dir = tmp_path / "run"

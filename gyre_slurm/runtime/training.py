@@ -170,8 +170,8 @@ class TrainingLoop:
         if before:
             how = (f"write the name of a checkpoint from before it ({', '.join(before[-3:])} "
                    f"in {rd.checkpoints}) into {rd.checkpoints / 'latest'} and resume with a "
-                   f"lower learning rate (gyre run --resume --run-dir {quote(str(rd.path))} --set "
-                   f"optimizer.lr=...)")
+                   f"lower learning rate (gyre run --resume --run-dir "
+                   f"{quote(str(rd.path))} --set optimizer.lr=...)")
         else:
             how = ("no checkpoint is from before it: start the run again (another --run-dir) "
                    "with a lower optimizer.lr")
