@@ -20,6 +20,8 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
+import time
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
@@ -521,3 +523,36 @@ def test_resume_refuses_a_change_the_run_dirs_state_cannot_take(run_copy, change
     assert "gyre run: error: " in proc.stderr and words in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert (run_copy / "config.yaml").read_bytes() == config
+
+
+@pytest.mark.slow
+def test_a_job_killed_while_it_makes_its_run_dir_starts_again_as_the_batch_script_would(
+        tmp_path):
+    """Preempted in its first seconds, a job had written config.yaml and not yet its
+    model: the requeued job (config.yaml there: --resume) was refused for the missing
+    model, every time. config.yaml is now written last: at the kill it is there only
+    with the model and the first weights. What the batch script does next (resume if
+    config.yaml is there, else start afresh) finishes the run; --resume of a run dir
+    without it says to start it again."""
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "gyre_slurm", "run", str(ROOT / "configs" / "tiny.yaml"),
+            "--run-dir", str(run_dir), "--set", "workload.num_steps=1"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not (run_dir / "secret").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.kill()  # the coordinator only: no node agent starts before the run dir is made
+    proc.wait()
+    if (run_dir / "config.yaml").exists():
+        assert (run_dir / "model" / "config.json").is_file()
+        assert (run_dir / "weights" / "v000000" / "model.safetensors").is_file()
+        again = gyre_run(run_dir, resume=True)
+    else:
+        refused = gyre_run(run_dir, resume=True, timeout_s=60)
+        assert refused.returncode == 2 and "its first start stopped before the run was " \
+            "made" in refused.stderr, refused.stderr[-2000:]
+        again = gyre_run(run_dir, "workload.num_steps=1")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((run_dir / "status.json").read_text())["final"]

@@ -9,6 +9,7 @@ slices of a 30B model reads those tensors, not the checkpoint.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -171,5 +172,9 @@ def import_model_dir(src: str | Path, model_dir: str | Path, weights_dir: str | 
         tmp.mkdir(parents=True)
         for name in names:
             (tmp / name).symlink_to(src / name)
+        if target.is_symlink() or target.is_file():
+            target.unlink()
+        elif target.exists():  # an earlier start of this run stopped before its config.yaml
+            shutil.rmtree(target)  # links only: their targets are not followed
         os.replace(tmp, target)
     return {"files": len(small), "weights": len(shards)}

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from shlex import quote
 from typing import TYPE_CHECKING
 
 from gyre_slurm.config.cli import add_set_argument
@@ -39,7 +40,13 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         cfg_path = args.run_dir / "config.yaml"
         if not cfg_path.is_file():
-            raise UserError(f"--resume: {args.run_dir} has no config.yaml; is it a run dir?")
+            started = (args.run_dir / "secret").exists() or (args.run_dir / "calls").is_dir()
+            raise UserError(
+                f"--resume: {args.run_dir} has no config.yaml: "
+                + ("its first start stopped before the run was made (config.yaml is "
+                   "written last, nothing was trained): start it again with its CONFIG, "
+                   f"gyre run CONFIG --run-dir {quote(str(args.run_dir))}" if started
+                   else "is it a run dir?"))
         cfg = load_config(cfg_path, args.overrides)
     else:
         if args.config is None:

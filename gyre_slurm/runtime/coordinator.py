@@ -45,8 +45,6 @@ from pathlib import Path
 
 import numpy as np
 
-from gyre_slurm.common.fsio import write_bytes_atomic
-from gyre_slurm.config.loader import dump_yaml
 from gyre_slurm.config.schema import GyreConfig, load_config
 from gyre_slurm.errors import UserError
 from gyre_slurm.models import tiny
@@ -250,7 +248,7 @@ class Coordinator:
             self.rd.ensure_secret()  # a run dir copied or cleaned without it
             self.rd.make_private()  # and the owner-only modes, whatever the copy kept
             if changes:  # every process of the job reads config.yaml: one config for all
-                write_bytes_atomic(self.rd.path / "config.yaml", dump_yaml(self.cfg).encode())
+                self.rd.write_config(self.cfg)
                 self.rd.event("config_changed", changes={
                     k: [old, new] for k, (old, new) in changes.items()})
             return start
@@ -258,7 +256,17 @@ class Coordinator:
         self.made_fresh = not self.rd.path.exists() or all(
             (p.name == "logs" and p.is_dir()) or p.name == LOCK_FILE
             for p in self.rd.path.iterdir())
-        self.rd.create(self.cfg)
+        # config.yaml last: a job stopped while it made the model (preempted in its first
+        # seconds) left a config.yaml and no model, and its requeue's --resume was
+        # refused; without config.yaml the same command (or the requeue) starts afresh.
+        self.rd.create(self.cfg, config=False)
+        self._make_model()
+        self.rd.write_config(self.cfg)
+        return checkpoint.Resume(0, None)
+
+    def _make_model(self) -> None:
+        """The run's model dir and its version-0 weights: the Hugging Face model of
+        `model.path` (linked), or the tiny model the config describes."""
         model = self.cfg.model
         if model.path is not None:  # a Hugging Face model dir: linked, not copied
             from gyre_slurm.models.weights import import_model_dir
@@ -271,7 +279,7 @@ class Coordinator:
                                  if tr.backend == "megatron" else None)
             except ValueError as exc:
                 raise UserError(str(exc)) from None
-            return checkpoint.Resume(0, None)
+            return
         tiny.make_model_dir(self.rd.model_dir, hidden_size=model.hidden_size,
                             num_layers=model.layers, num_heads=model.heads,
                             family=model.family, num_experts=model.experts,
@@ -279,7 +287,6 @@ class Coordinator:
                             max_positions=max(4096, self.cfg.rollout.max_model_len))
         tiny.save_weights(tiny.new_model(self.rd.model_dir, seed=self.cfg.seed),
                           tiny.weights_dir(self.rd.path, 0))
-        return checkpoint.Resume(0, None)
 
     def _resume_changes(self) -> dict:
         """What `--set` changes in the run dir's config.yaml on resume (key -> (old,

@@ -83,13 +83,20 @@ class RunDir:
         return self.path / "stream" / f"step{step:06d}_mb{index:05d}.json"
 
     # -- creation --------------------------------------------------------------------
-    def create(self, cfg: GyreConfig) -> None:
+    def create(self, cfg: GyreConfig, *, config: bool = True) -> None:
+        """The run dir's folders, secret and modes; and config.yaml unless `config` is
+        False (the coordinator writes it with `write_config` once the model and its
+        first weights are made: config.yaml is what makes a folder a run to resume)."""
         make_folder(self.path, what="the run dir")
         for sub in ("calls", "runs", "stream", "logs") + PRIVATE_DIRS:
             (self.path / sub).mkdir(parents=True, exist_ok=True)
-        write_bytes_atomic(self.path / "config.yaml", dump_yaml(cfg).encode())
+        if config:
+            self.write_config(cfg)
         self.ensure_secret()
         self.make_private()
+
+    def write_config(self, cfg: GyreConfig) -> None:
+        write_bytes_atomic(self.path / "config.yaml", dump_yaml(cfg).encode())
 
     def ensure_secret(self) -> None:
         """The job's secret (0600), made anew where the file is missing or empty (a run
