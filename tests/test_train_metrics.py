@@ -226,3 +226,23 @@ def test_a_diverged_run_skips_steps_keeps_its_servers_and_stops_with_the_fix(gyr
         {"optimizer.lr": [1e30, 0.005], "faults.max_skipped_steps": [2, 0]}]
     lrs = [(e["step"], e["stats"]["lr"]) for e in events if e["kind"] == "step"]
     assert lrs == [(0, 1e30), (1, 1e30), (2, 1e30), (3, 0.005), (4, 0.005)], lrs
+
+
+@pytest.mark.slow
+def test_steps_where_no_run_ends_ok_stop_the_job_saying_how_the_runs_ended(gyre, tmp_path):
+    """A run timeout shorter than any run: every run ends `timeout`, and the job had
+    advanced through all its steps training nothing, then said "finished". After
+    `faults.max_skipped_steps` such steps in a row it stops, counting how the runs ended
+    and naming the timeout and where the runs' records are."""
+    run_dir = tmp_path / "run"
+    proc = gyre("run", str(ROOT / "configs" / "tiny.yaml"), "--run-dir", str(run_dir),
+                "--set", "workload.num_steps=6", "--set", "agent.run_timeout_s=0.05",
+                "--set", "faults.max_skipped_steps=2", check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert ("no run of steps 0-1 ended ok (64 timeout): 2 steps in a row had nothing to "
+            "train") in proc.stderr, proc.stderr
+    assert "agent.run_timeout_s = 0.05 s" in proc.stderr
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["why"]) for e in events if e["kind"] == "step_skipped"] == [
+        (0, "no run ended ok"), (1, "no run ended ok")]

@@ -635,8 +635,9 @@ class FaultsConfig:
                "stops naming the nodes that did not (srun of hundreds of nodes importing "
                "Python from a shared filesystem can take minutes)")
     max_skipped_steps: int = key(
-        3, "optimizer steps in a row whose non-finite gradient norm skips their update "
-           "before the job stops (the model has diverged); 0: never stop")
+        3, "steps in a row that train nothing before the job stops: a non-finite gradient "
+           "norm skipped the update (the model has diverged), or no run of the step ended "
+           "ok (a broken agent or environment, a run timeout too short); 0: never stop")
 
     def __post_init__(self) -> None:
         _all_positive(self, ("heartbeat_s", "agent_lost_s", "engine_check_s",

@@ -18,6 +18,7 @@ a member was lost rebuilds the world and rewinds the step (`Recovery`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import statistics
 import time
 from shlex import quote
@@ -38,9 +39,18 @@ if TYPE_CHECKING:
     from gyre_slurm.runtime.wsync import WeightStream
 
 
+NON_FINITE = "non-finite gradient norm"  # why a step trained nothing
+NO_RUN_OK = "no run ended ok"
+
+
 class TrainingDiverged(UserError):
     """`faults.max_skipped_steps` optimizer steps in a row had a non-finite gradient
     norm: the job stops (a diverged model would take the rest of it training nothing)."""
+
+
+class TrainingStalled(UserError):
+    """`faults.max_skipped_steps` steps in a row had no run that ended ok (a broken agent
+    or environment, a run timeout too short): nothing to train, the job stops."""
 
 
 class MicrobatchFailed(Exception):
@@ -61,7 +71,7 @@ class TrainingLoop:
         self.train_rate: list[float] = []  # tokens/s per cell of each micro-batch
         self.step_signals: dict[int, dict] = {}  # stream index -> its micro-batch's sums
         self.rewards: list[dict] = []  # per step: mean reward, ok runs
-        self.skipped: list[int] = []  # the steps skipped in a row so far (non-finite norm)
+        self.skipped: list[tuple[int, str]] = []  # steps in a row that trained nothing
 
     def tokens_per_cell_s(self, prior: float) -> float:
         """Measured training speed of one cell (the median of the last 20 micro-batches);
@@ -141,10 +151,14 @@ class TrainingLoop:
                                                 num_step_tokens=max(1, state.trained_tokens))
         figures = step_figures(book, step, merge_all(self.step_signals.values()),
                                grad_norm=stats.get("grad_norm"))
-        if stats.get("skipped"):  # the update was dropped; the version advances all the same
-            self.skipped.append(step)
-            rd.event("step_skipped", step=step, grad_norm=str(stats.get("grad_norm")),
-                     in_a_row=len(self.skipped))
+        # A step that trained nothing: its update was dropped (a non-finite gradient
+        # norm; the version advances all the same), or no run of it ended ok.
+        ok = any(book.runs[r].state == "ok" for r in state.runs)
+        why = NO_RUN_OK if not ok else NON_FINITE if stats.get("skipped") else None
+        if why is not None:
+            self.skipped.append((step, why))
+            rd.event("step_skipped", step=step, why=why, in_a_row=len(self.skipped),
+                     grad_norm=str(stats.get("grad_norm")))
         else:
             self.skipped.clear()
         self.step_signals.clear()
@@ -159,10 +173,26 @@ class TrainingLoop:
             self._step_event(step, state, version, t0, stats, figures)
 
     def check_diverged(self) -> None:
+        """Stop the job after `faults.max_skipped_steps` steps in a row trained nothing,
+        saying why and how to go on."""
         limit = self.job.cfg.faults.max_skipped_steps
         if not limit or len(self.skipped) < limit:
             return
-        first, rd = self.skipped[0], self.job.rd
+        steps = [s for s, _ in self.skipped]
+        more = (f"; or let the job go on through more such steps (faults.max_skipped_steps, "
+                f"{limit} now; 0: never stop)")
+        if all(why == NO_RUN_OK for _, why in self.skipped):
+            book, cfg = self.job.book, self.job.cfg
+            ends = collections.Counter(book.runs[r].state for s in steps
+                                       for r in book.steps[s].runs)
+            raise TrainingStalled(
+                f"no run of steps {steps[0]}-{steps[-1]} ended ok ("
+                + ", ".join(f"{n} {state}" for state, n in ends.most_common())
+                + f"): {len(steps)} steps in a row had nothing to train. Their runs' "
+                f"records are in {self.job.rd.runs_file} and the agents' output in "
+                f"{self.job.rd.path / 'logs'}; runs end `timeout` after agent.run_timeout_s "
+                f"= {cfg.agent.run_timeout_s:g} s" + more)
+        first, rd = steps[0], self.job.rd
         # the weights of version `first` gave the first non-finite gradients: a checkpoint
         # of an earlier version (step_N holds version N) is from before the divergence
         before = sorted(p.name for p in rd.checkpoints.glob("step_*")
@@ -176,10 +206,9 @@ class TrainingLoop:
             how = ("no checkpoint is from before it: start the run again (another --run-dir) "
                    "with a lower optimizer.lr")
         raise TrainingDiverged(
-            f"training skipped {len(self.skipped)} optimizer steps in a row (steps {first}-"
-            f"{self.skipped[-1]}) for a non-finite gradient norm: the model has diverged "
-            f"by step {first}. To go on, {how}; or let the job train through more skipped "
-            f"steps (faults.max_skipped_steps, {limit} now; 0: never stop)")
+            f"training skipped {len(steps)} optimizer steps in a row (steps {first}-"
+            f"{steps[-1]}) for a non-finite gradient norm: the model has diverged "
+            f"by step {first}. To go on, {how}" + more)
 
     def _step_event(self, step, state, version, t0, stats, figures) -> None:
         book, rd = self.job.book, self.job.rd
