@@ -170,6 +170,13 @@ def test_a_hugging_face_dir_starts_a_run_by_links(tmp_path):
     tiny.load_weights(again, tmp_path / "run" / "w0")
     for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), name
+    # A start stopped before its config.yaml leaves the links: the next start makes them
+    # again (os.replace onto a folder that is not empty failed), the checkpoint untouched.
+    (tmp_path / "run" / "model" / "stray").touch()
+    import_model_dir(src, tmp_path / "run" / "model", tmp_path / "run" / "w0",
+                     layout=(1, 1, 2))
+    assert not (tmp_path / "run" / "model" / "stray").exists()
+    assert (src / "config.json").is_file() and len(list(src.glob("model-*"))) == 3
     with pytest.raises(ValueError, match="num_experts 4 % EP 3"):
         import_model_dir(src, tmp_path / "x" / "model", tmp_path / "x" / "w0", layout=(1, 1, 3))
     (src / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "garbled"}}')
