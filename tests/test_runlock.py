@@ -81,6 +81,17 @@ def test_a_lock_found_in_place_is_taken_over_only_when_stale(lock, tmp_path, mon
             mine.acquire()
 
 
+def test_a_run_dir_where_no_lock_can_be_made_is_a_clear_error(lock, tmp_path):
+    """A run dir on a read-only mount (or another user's): --resume ended with an OSError
+    traceback at the lock."""
+    from gyre_slurm.errors import UserError
+
+    mine = RunLock(tmp_path / "missing")
+    with pytest.raises(UserError, match=r"cannot make .*coordinator.lock \(No such file or "
+                                        r"directory\): the run dir must be a folder this user"):
+        mine.acquire()
+
+
 def test_a_lock_of_a_dead_pid_on_this_host_is_taken_over_at_once(lock, tmp_path):
     import socket
 

@@ -140,8 +140,8 @@ class Coordinator:
         self.rd.path.mkdir(parents=True, exist_ok=True)
         try:
             lock.acquire()
-        except RunDirBusy:
-            self.refused = True  # another coordinator's run: nothing of it is touched
+        except UserError:  # another coordinator's run (nothing of it touched), or no lock
+            self.refused = True  # can be made there: no summary of the run's earlier days
             raise
         try:
             return await self._run()

@@ -78,6 +78,11 @@ class RunLock:
             time.sleep(0.2)  # a contender that took it over at the same moment shows now
             if self._holder()[0].get("token") != self.me["token"]:
                 raise RunDirBusy(self._busy_message(*self._holder())) from None
+        except OSError as exc:  # read-only, no permission, no such folder
+            raise UserError(f"cannot make {self.path} ({exc.strerror}): the run dir must be "
+                            f"a folder this user can write on a filesystem mounted "
+                            f"read-write (the job writes its calls, events and "
+                            f"checkpoints there)") from None
         else:
             try:
                 os.write(fd, body)
