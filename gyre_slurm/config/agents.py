@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from gyre_slurm.config.checks import at_most
 from gyre_slurm.config.loader import FieldError, key
 
 JOB_RUN_ID = re.compile(r"s\d")  # the job's run ids: s0000-p000-g00[-aN]
@@ -107,11 +108,8 @@ class ScaffoldConfig:
             if not getattr(self, name) > 0:
                 raise FieldError(name, f"must be > 0, got {getattr(self, name)}")
         # prlimit takes 64-bit limits: past them it refused to start every scaffold
-        for name, most, what in (("memory_mb", 1 << 30, "MiB: 1 PiB"),
-                                 ("nproc", 1 << 22, "Linux's largest pid_max")):
-            if getattr(self, name) > most:
-                raise FieldError(name, f"must be <= {most:,} ({what}), got "
-                                       f"{getattr(self, name):,}")
+        at_most("memory_mb", self.memory_mb, 1 << 30, "MiB: 1 PiB")
+        at_most("nproc", self.nproc, 1 << 22, "Linux's largest pid_max")
         if self.python is not None and not self.python.strip():
             raise FieldError("python", "is empty: give an interpreter path, env:<role>, or null")
         bad = [k for k in self.env_vars if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)

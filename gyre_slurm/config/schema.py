@@ -25,12 +25,13 @@ from typing import Any, ClassVar
 
 from gyre_slurm.config.agents import GatewayConfig
 from gyre_slurm.config.loader import apply_overrides, from_dict, key, load_yaml_file, to_dict
-from gyre_slurm.config.sections import (MAX_LOCAL_NODES, AgentConfig, ClusterConfig,
-                                        DurationConfig, FaultsConfig, HandoffConfig,
-                                        LossConfig, ModelConfig, MonitorConfig,
-                                        OptimizerConfig, PolicyName, RolloutConfig,
-                                        SchedulerConfig, SimConfig, TrainerConfig,
-                                        TrainingConfig, WorkloadConfig)
+from gyre_slurm.config.checks import MAX_LOCAL_NODES
+from gyre_slurm.config.sections import (AgentConfig, ClusterConfig, DurationConfig,
+                                        FaultsConfig, HandoffConfig, ModelConfig,
+                                        MonitorConfig, PolicyName, RolloutConfig,
+                                        SchedulerConfig, SimConfig, WorkloadConfig)
+from gyre_slurm.config.training import (LossConfig, OptimizerConfig, TrainerConfig,
+                                        TrainingConfig)
 from gyre_slurm.errors import ConfigError
 
 __all__ = ["AgentConfig", "ClusterConfig", "DurationConfig", "FaultsConfig", "GatewayConfig", "GyreConfig",

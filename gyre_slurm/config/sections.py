@@ -4,7 +4,8 @@ Every field is declared with `key(default, "description")`: the description is t
 field's metadata, printed by `gyre config keys`. Units are in the names (`_s` seconds,
 `_tokens`, `num_` counts). A section's `__post_init__` checks its own values and raises
 `FieldError(key, message)`; loading reports it with the key's full path. Checks that span
-sections live in `schema.GyreConfig`.
+sections live in `schema.GyreConfig`; the checks and limits the sections share in
+`checks`; the training side's sections in `training`, the agent's in `agents`.
 
 One key per concept: the simulator and the runtime read the same keys (runs a node
 serves, the policy's interval, training speed, the seed); a key that only one of them
@@ -13,72 +14,21 @@ reads says so in its description.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from gyre_slurm.config.agents import ScaffoldConfig
+from gyre_slurm.config.checks import (MAX_GPUS_PER_NODE, MAX_JOB_RUNS, MAX_MODEL_LEN,
+                                      MAX_NUM_NODES, MAX_POLICY_INTERVAL_S,
+                                      MAX_RUNS_PER_NODE, MAX_TEMPERATURE, TINY_MAX_PARAMS,
+                                      all_positive, at_least, at_most, check_role_python,
+                                      positive)
 from gyre_slurm.config.loader import FieldError, key
 from gyre_slurm.config.phases import MAX_DURATION_S, MAX_SIGMA, PhaseConfig, check_phases
 from gyre_slurm.errors import ConfigError
 
 PolicyName = Literal["elastic", "colocate", "async"]
-
-
-def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
-    ok = value >= 0 if allow_zero else value > 0
-    if not ok or (isinstance(value, float) and math.isnan(value)):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise FieldError(name, f"must be {bound}, got {value}")
-
-
-def _all_positive(section: Any, names: tuple[str, ...], *, allow_zero: bool = False) -> None:
-    for name in names:
-        _positive(name, getattr(section, name), allow_zero=allow_zero)
-
-
-# Upper limits where a value past them means nothing and breaks the arithmetic of the
-# forecast and the simulator (a lognormal's grid of exp(mu +- 6 sigma) overflows; a rate
-# table of one entry per concurrent run cannot be allocated): far above any real job.
-MAX_RUNS_PER_NODE = 100_000
-MAX_TEMPERATURE = 1e6  # the gateway's (gateway/openai.py): a call above it is refused
-MAX_POLICY_INTERVAL_S = 3600.0  # scheduler.interval_s: a move waits up to one interval
-# GPUs of one node, and processes of one node's training ranks: above any machine's (an
-# HGX node has 8 GPUs, the largest 16). A rank count of 10**23 made each node agent
-# build that many environments until it died, and the job ended with a traceback.
-MAX_GPUS_PER_NODE = 64
-# A sequence's tokens: the tiny model's positions follow it, and 10**23 made a config.json
-# no trainer reads (Megatron's shapes are int32); vLLM's rotary cache grows with it.
-MAX_MODEL_LEN = 1 << 24
-MAX_NUM_NODES = 100_000  # nodes of one job: the largest machines have about 10,000
-MAX_LOCAL_NODES = 254  # the local launcher's node i binds PREFIX(i + 1): one octet each
-MAX_RANKS_PER_NODE = 256
-# Runs of a whole job: the coordinator books every run of the job as it starts (about
-# 350 bytes and 8 us each; runtime.book.StepBook), and so does the simulator (a row of
-# its arrays each). 10**23 runs a step hung `gyre run` before it printed a line; this is
-# above any real job (1,000 steps of 2,000 runs).
-MAX_JOB_RUNS = 2_000_000
-# The tiny model (model.path unset) is built from random weights in the coordinator's
-# memory and copied to every rank and engine: for tests and CPU runs (its default has
-# 0.15 M parameters), far below this. A model of millions of layers took the machine's
-# memory before anything said why.
-TINY_MAX_PARAMS = 1_000_000_000
-
-
-def _num(value: float) -> str:
-    return f"{value:,}" if isinstance(value, int) else f"{value:,g}"
-
-
-def _at_least(name: str, value: float, limit: float, why: str) -> None:
-    if not value >= limit:
-        raise FieldError(name, f"must be >= {_num(limit)} ({why}), got {value:g}")
-
-
-def _at_most(name: str, value: float, limit: float, why: str) -> None:
-    if value > limit:
-        raise FieldError(name, f"must be <= {_num(limit)} ({why}), got {value:g}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,11 +45,11 @@ class ClusterConfig:
         "127.0.10.", "local launcher: virtual node i binds the loopback address PREFIX(i+1)")
 
     def __post_init__(self) -> None:
-        _positive("num_nodes", self.num_nodes)
-        _at_most("num_nodes", self.num_nodes, MAX_NUM_NODES, "nodes of one job")
-        _positive("gpus_per_node", self.gpus_per_node, allow_zero=True)
-        _at_most("gpus_per_node", self.gpus_per_node, MAX_GPUS_PER_NODE, "GPUs of one node")
-        _positive("cell_nodes", self.cell_nodes)
+        positive("num_nodes", self.num_nodes)
+        at_most("num_nodes", self.num_nodes, MAX_NUM_NODES, "nodes of one job")
+        positive("gpus_per_node", self.gpus_per_node, allow_zero=True)
+        at_most("gpus_per_node", self.gpus_per_node, MAX_GPUS_PER_NODE, "GPUs of one node")
+        positive("cell_nodes", self.cell_nodes)
         if self.num_nodes % self.cell_nodes:
             raise FieldError(
                 "cell_nodes", f"= {self.cell_nodes}: cluster.num_nodes ({self.num_nodes}) is "
@@ -151,12 +101,12 @@ class SchedulerConfig:
                                  "step), in the runtime and in the simulator")
 
     def __post_init__(self) -> None:
-        _all_positive(self, ("min_rollout_cells", "min_train_cells", "hysteresis",
+        all_positive(self, ("min_rollout_cells", "min_train_cells", "hysteresis",
                              "confirm_s", "min_dwell_s", "min_gain", "lend_cells"),
                       allow_zero=True)
-        _positive("horizon_steps", self.horizon_steps)
-        _positive("interval_s", self.interval_s)
-        _at_most("interval_s", self.interval_s, MAX_POLICY_INTERVAL_S,
+        positive("horizon_steps", self.horizon_steps)
+        positive("interval_s", self.interval_s)
+        at_most("interval_s", self.interval_s, MAX_POLICY_INTERVAL_S,
                  "seconds between the policy's looks: a cell may wait that long for a "
                  "move, and colocate for each of its two handoffs a step; seconds to a "
                  "minute suit any job")
@@ -174,15 +124,15 @@ class DurationConfig:
                                        "comment (relative paths: to the config file)")
 
     def __post_init__(self) -> None:
-        _positive("mean_s", self.mean_s)
-        _positive("sigma", self.sigma, allow_zero=True)
+        positive("mean_s", self.mean_s)
+        positive("sigma", self.sigma, allow_zero=True)
         if self.max_s is not None:
-            _positive("max_s", self.max_s)
+            positive("max_s", self.max_s)
         for name in ("mean_s", "max_s"):
             if getattr(self, name) is not None:
-                _at_most(name, getattr(self, name), MAX_DURATION_S,
+                at_most(name, getattr(self, name), MAX_DURATION_S,
                          "seconds; about 32 years: check the unit")
-        _at_most("sigma", self.sigma, MAX_SIGMA, "the spread of log durations; 5 puts the "
+        at_most("sigma", self.sigma, MAX_SIGMA, "the spread of log durations; 5 puts the "
                  "mean 268,000 times the median")
         if self.dist == "trace" and not self.trace_file:
             raise FieldError("trace_file", "is not set but dist is 'trace'; give a file "
@@ -215,9 +165,9 @@ class WorkloadConfig:
             "from_step on, scales durations and tokens, sets sigma and turns, grows per step")
 
     def __post_init__(self) -> None:
-        _all_positive(self, ("num_steps", "prompts_per_step", "group_size", "tokens_mean",
+        all_positive(self, ("num_steps", "prompts_per_step", "group_size", "tokens_mean",
                              "tokens_max"))
-        _at_least("tokens_max", self.tokens_max, 1.0, "a run trains at least one token")
+        at_least("tokens_max", self.tokens_max, 1.0, "a run trains at least one token")
         if not self.rows_reread >= 1.0:
             raise FieldError("rows_reread", f"must be >= 1 (rows never compute fewer tokens "
                              f"than the tree), got {self.rows_reread}")
@@ -276,10 +226,10 @@ class AgentConfig:
                            "scaffold of those tasks (the first match; else `scaffold`)")
 
     def __post_init__(self) -> None:
-        _all_positive(self, ("max_turns", "context_budget_tokens", "max_tokens",
+        all_positive(self, ("max_turns", "context_budget_tokens", "max_tokens",
                              "run_timeout_s"))
-        _positive("temperature", self.temperature, allow_zero=True)
-        _at_most("temperature", self.temperature, MAX_TEMPERATURE,
+        positive("temperature", self.temperature, allow_zero=True)
+        at_most("temperature", self.temperature, MAX_TEMPERATURE,
                  "the gateway refuses a call above it, so every run would fail")
         _check_env(self.env, self.env_params)
 
@@ -306,7 +256,7 @@ class ModelConfig:
         if self.path is not None and not self.path.strip():
             raise FieldError("path", "is empty: name a Hugging Face model directory, or "
                              "leave it unset for the tiny model")
-        _all_positive(self, ("hidden_size", "layers", "heads", "experts", "experts_per_token"))
+        all_positive(self, ("hidden_size", "layers", "heads", "experts", "experts_per_token"))
         if self.experts_per_token > self.experts:
             raise FieldError("experts_per_token", f"= {self.experts_per_token} exceeds "
                              f"model.experts = {self.experts}")
@@ -338,16 +288,6 @@ class ModelConfig:
                           moe_top_k=self.experts_per_token if moe else 0,
                           moe_ffn_hidden_size=max(1, h // 2) if moe else 0,
                           ).num_params()["total"]
-
-
-def _check_role_python(section: str, python: str | None, image: str | None) -> None:
-    if python is not None and not python.strip():
-        raise ConfigError(f"{section}.python is empty: give an interpreter path, "
-                          f"`env:<role>` (tools/role-env) or leave it unset")
-    if python is not None and python.startswith("env:") and not python[4:].strip():
-        raise ConfigError(f"{section}.python = {python!r}: name the role, e.g. env:vllm")
-    if image is not None and not image.strip():
-        raise ConfigError(f"{section}.container_image is empty: name an image or leave it unset")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -394,26 +334,26 @@ class RolloutConfig:
               "is restarted, the others are sent the policy again)")
 
     def __post_init__(self) -> None:
-        _positive("runs_per_node", self.runs_per_node)
-        _at_most("runs_per_node", self.runs_per_node, MAX_RUNS_PER_NODE,
+        positive("runs_per_node", self.runs_per_node)
+        at_most("runs_per_node", self.runs_per_node, MAX_RUNS_PER_NODE,
                  "concurrent runs one node serves; vLLM serves hundreds")
-        _all_positive(self, ("half_load_runs", "reprefill_s", "weight_sync_s"),
+        all_positive(self, ("half_load_runs", "reprefill_s", "weight_sync_s"),
                       allow_zero=True)
-        _all_positive(self, ("call_interval_s", "max_model_len", "weight_bucket_mb",
+        all_positive(self, ("call_interval_s", "max_model_len", "weight_bucket_mb",
                              "weight_sync_timeout_s"))
-        _at_most("max_model_len", self.max_model_len, MAX_MODEL_LEN,
+        at_most("max_model_len", self.max_model_len, MAX_MODEL_LEN,
                  "tokens of one sequence; the longest contexts are about 10 M")
-        _at_most("weight_bucket_mb", self.weight_bucket_mb, 1 << 20,
+        at_most("weight_bucket_mb", self.weight_bucket_mb, 1 << 20,
                  "1 TiB: a bucket over the model's size holds all of it; 1e30 passed its "
                  "size to vLLM's server as an integer past 64 bits, and no sync started")
-        _at_least("weight_bucket_mb", self.weight_bucket_mb, 0.001,
+        at_least("weight_bucket_mb", self.weight_bucket_mb, 0.001,
                   "a bucket holds at least one tensor whatever its size; under 1 KB the "
                   "first weight sync would fail mid-job")
         if self.tensor_parallel is not None:
-            _positive("tensor_parallel", self.tensor_parallel)
-            _at_most("tensor_parallel", self.tensor_parallel, MAX_GPUS_PER_NODE,
+            positive("tensor_parallel", self.tensor_parallel)
+            at_most("tensor_parallel", self.tensor_parallel, MAX_GPUS_PER_NODE,
                      "a server runs inside one node")
-        _check_role_python("rollout", self.python, self.container_image)
+        check_role_python("rollout", self.python, self.container_image)
         if self.engine == "embedded" and (self.engine_args or self.release == "sleep"):
             raise ConfigError("rollout.engine_args and rollout.release: sleep apply to "
                               "rollout.engine: vllm (the embedded engine frees its model when "
@@ -423,164 +363,6 @@ class RolloutConfig:
                               "that opens in training, which rollout.release: stop would stop "
                               "at once; set rollout.standby: auto or never, or another "
                               "release")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainingConfig:
-    """What is trained and how fast: batches, staleness, checkpoints, training speed."""
-
-    max_staleness: int = key(1, "a trajectory may lag the trained policy by this many "
-                                "versions")
-    microbatch_tokens: float = key(100_000.0, "token budget of a micro-batch (tokens "
-                                              "computed)")
-    packing: Literal["tree", "rows"] = key(
-        "tree", "how a micro-batch is fed to the trainer: tree, each run's prefix tree once "
-                "with a tree attention mask (docs/tree-training.md); rows, each trajectory "
-                "whole, right-padded")
-    max_per_run: int = key(5, "K: trajectories kept per run (the prefix tree's paths)")
-    checkpoint_every_steps: int = key(1, "a checkpoint after every this many steps")
-    node_tokens_per_s: float = key(
-        2_000.0, "trained tokens/s of one node: the simulator's speed and the policy's "
-                 "prior (with trainer.pace, also the pace real training is held to)")
-    scaling_efficiency: float = key(0.95, "simulator: throughput kept per doubling of "
-                                          "training nodes")
-    min_replica_nodes: int = key(1, "a model replica needs this many nodes to train at all")
-    optimizer_step_s: float = key(5.0, "simulator: fixed cost of each optimizer step")
-
-    def __post_init__(self) -> None:
-        _all_positive(self, ("node_tokens_per_s", "min_replica_nodes", "microbatch_tokens",
-                             "max_per_run", "checkpoint_every_steps"))
-        _at_least("microbatch_tokens", self.microbatch_tokens, 1.0,
-                  "a micro-batch holds whole tokens; below one, none would ever train")
-        if not 0.0 < self.scaling_efficiency <= 1.0:
-            raise FieldError("scaling_efficiency",
-                             f"must be in (0, 1], got {self.scaling_efficiency}")
-        _all_positive(self, ("max_staleness", "optimizer_step_s"), allow_zero=True)
-
-    def throughput(self, nodes: int) -> float:
-        """Trained tokens/s of a world of `nodes` nodes, as the simulator and the
-        scheduler's prior model it: `node_tokens_per_s * usable * scaling_efficiency **
-        log2(usable)`, `usable` counting only whole model replicas (0 when none fits)."""
-        usable = (nodes // self.min_replica_nodes) * self.min_replica_nodes
-        if usable <= 0:
-            return 0.0
-        return self.node_tokens_per_s * usable * self.scaling_efficiency ** math.log2(usable)
-
-
-@dataclass(frozen=True, kw_only=True)
-class OptimizerConfig:
-    """AdamW, one step per batch."""
-
-    lr: float = key(1e-3, "learning rate")
-    grad_clip: float = key(1.0, "gradients are clipped to this global norm")
-
-    def __post_init__(self) -> None:
-        _all_positive(self, ("lr", "grad_clip"))
-
-
-@dataclass(frozen=True, kw_only=True)
-class LossConfig:
-    """The policy loss and its off-policy correction (formulas: gyre_slurm/train/loss.py,
-    docs/off-policy.md)."""
-
-    kind: Literal["ppo_clip", "tis", "masked_is", "decoupled", "gspo"] = key(
-        "ppo_clip", "ppo_clip: PPO's clip of the trainer/sampler ratio; tis: truncated "
-                    "importance sampling (weight min(ratio, is_cap)); masked_is: tokens (or "
-                    "sequences) whose ratio leaves [is_band_low, is_band_high] dropped; "
-                    "decoupled: PPO clip against the proximal policy (the weights at the "
-                    "step's start) times the behaviour weight min(proximal/sampler, is_cap); "
-                    "gspo: the clip of the sequence's geometric-mean ratio")
-    clip_eps_low: float = key(0.2, "PPO clip range below 1 (ppo_clip, decoupled)")
-    clip_eps_high: float = key(0.2, "PPO clip range above 1 (ppo_clip, decoupled; DAPO's "
-                                    "clip-higher: e.g. 0.28)")
-    is_cap: float = key(2.0, "C: the largest importance weight (tis, decoupled)")
-    is_band_low: float = key(0.5, "masked_is keeps ratios >= this")
-    is_band_high: float = key(2.0, "masked_is keeps ratios <= this")
-    is_mask_level: Literal["token", "sequence"] = key(
-        "token", "masked_is: whether one ratio out of the band drops a token or its sequence")
-    gspo_clip_eps_low: float = key(3e-4, "gspo: clip range of the sequence ratio below 1 "
-                                         "(paper: 3e-4)")
-    gspo_clip_eps_high: float = key(4e-4, "gspo: clip range of the sequence ratio above 1 "
-                                          "(paper: 4e-4)")
-
-    def __post_init__(self) -> None:
-        for name in ("clip_eps_low", "gspo_clip_eps_low"):
-            if not 0.0 < getattr(self, name) < 1.0:
-                raise FieldError(name, f"must be in (0, 1) (the ratio is clipped at 1 - it), "
-                                 f"got {getattr(self, name)}")
-        _all_positive(self, ("clip_eps_high", "gspo_clip_eps_high", "is_cap"))
-        if self.is_cap < 1.0:
-            raise FieldError("is_cap", f"= {self.is_cap} would down-weight on-policy tokens "
-                             "(ratio 1): use a cap >= 1 (2 to 10 are usual)")
-        if not 0.0 <= self.is_band_low <= 1.0 <= self.is_band_high:
-            raise FieldError("is_band_low", f"and is_band_high must hold 1 (on-policy tokens "
-                             f"are never dropped): 0 <= low <= 1 <= high, got "
-                             f"[{self.is_band_low}, {self.is_band_high}]")
-
-    @property
-    def settings(self) -> dict:
-        """The loss and its constants, as `gyre_slurm.train.loss.LossSettings` takes them."""
-        out = dataclasses.asdict(self)
-        return {"name": out.pop("kind"), **out}
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainerConfig:
-    """The real trainer (`gyre run`): its backend, parallelism and environment."""
-
-    backend: Literal["torch", "megatron"] = key("torch", "torch (data parallel, gloo on CPU) "
-                                                         "or megatron (TP x PP x DP)")
-    python: str | None = key(None, "the ranks' interpreter: a path, env:<role> "
-                                   "(tools/role-env), or null (gyre's own)")
-    container_image: str | None = key(None, "run the ranks in this image (srun "
-                                            "--container-image, pyxis)")
-    tensor_parallel: int = key(1, "Megatron tensor parallelism inside a replica")
-    pipeline_parallel: int = key(1, "Megatron pipeline parallelism inside a replica")
-    expert_parallel: int = key(1, "Megatron expert parallelism (MoE models): the experts "
-                                  "split over this many ranks; each world's size must be a "
-                                  "multiple of expert_parallel x pipeline_parallel")
-    precision: Literal["fp32", "bf16"] = key(
-        "fp32", "megatron: parameters in fp32, or bf16 with fp32 master weights and moments")
-    distributed_optimizer: bool = key(
-        False, "megatron: Megatron's distributed optimizer (optimizer state sharded over the "
-               "data-parallel ranks, resharded at every handoff)")
-    ranks_per_node: int | None = key(
-        None, "training processes per node (null: megatron one per GPU, or 1 without GPUs; "
-              "torch 1)")
-    warm_up: Literal["auto", "always", "never"] = key(
-        "auto", "a training rank pays its first build's one-time costs (the torch trainer: "
-                "the model built once on the meta device) as it starts, not at its first "
-                "join; auto: not with the local launcher, whose virtual nodes share the "
-                "host's cores (there the warm-ups slow the engine starts the layout waits "
-                "for)")
-    pace: bool = key(False, "hold each micro-batch to training.node_tokens_per_s per node: "
-                            "benchmarks whose virtual nodes share CPU cores get the pace of "
-                            "nodes with their own accelerators (the training still runs)")
-
-    def __post_init__(self) -> None:
-        _all_positive(self, ("tensor_parallel", "pipeline_parallel", "expert_parallel"))
-        if self.ranks_per_node is not None:
-            _positive("ranks_per_node", self.ranks_per_node)
-            _at_most("ranks_per_node", self.ranks_per_node, MAX_RANKS_PER_NODE,
-                     "processes on one node")
-        _check_role_python("trainer", self.python, self.container_image)
-        if self.backend == "torch" and self.tensor_parallel * self.pipeline_parallel > 1:
-            raise ConfigError("trainer.tensor_parallel / pipeline_parallel > 1 need "
-                              "trainer.backend: megatron (the torch backend is data parallel)")
-        if self.backend == "torch" and (self.expert_parallel > 1 or self.precision != "fp32"
-                                        or self.distributed_optimizer):
-            raise ConfigError("trainer.expert_parallel > 1, precision: bf16 and "
-                              "distributed_optimizer need trainer.backend: megatron (the "
-                              "torch backend trains fp32 replicas with plain AdamW)")
-        if self.backend == "megatron" and self.python is None and self.container_image is None:
-            raise ConfigError("trainer.backend: megatron runs in its own environment "
-                              "(megatron-core needs Python >= 3.12): set trainer.python "
-                              "(e.g. env:megatron, built by tools/role-env megatron) or "
-                              "trainer.container_image")
-
-    @property
-    def replica_ranks(self) -> int:
-        return self.tensor_parallel * self.pipeline_parallel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -597,7 +379,7 @@ class HandoffConfig:
     engine_start_s: float = key(20.0, "a rollout engine starts or wakes")
 
     def __post_init__(self) -> None:
-        _all_positive(self, ("engine_release_s", "group_rebuild_s", "train_state_load_s",
+        all_positive(self, ("engine_release_s", "group_rebuild_s", "train_state_load_s",
                              "weight_load_s", "engine_start_s"), allow_zero=True)
 
     @property
@@ -640,10 +422,10 @@ class FaultsConfig:
            "ok (a broken agent or environment, a run timeout too short); 0: never stop")
 
     def __post_init__(self) -> None:
-        _all_positive(self, ("heartbeat_s", "agent_lost_s", "engine_check_s",
+        all_positive(self, ("heartbeat_s", "agent_lost_s", "engine_check_s",
                              "engine_health_timeout_s", "engine_strikes", "max_run_attempts",
                              "engine_handoff_timeout_s", "agent_register_s"))
-        _all_positive(self, ("max_engine_restarts", "run_restart_backoff_s",
+        all_positive(self, ("max_engine_restarts", "run_restart_backoff_s",
                              "engine_start_grace_s", "max_skipped_steps"), allow_zero=True)
         if self.agent_lost_s < 2 * self.heartbeat_s:
             raise FieldError("agent_lost_s", f"= {self.agent_lost_s:g} s is under two "
@@ -659,7 +441,7 @@ class MonitorConfig:
     status_interval_s: float = key(1.0, "status.json is rewritten this often")
 
     def __post_init__(self) -> None:
-        _positive("status_interval_s", self.status_interval_s)
+        positive("status_interval_s", self.status_interval_s)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gyre_slurm.common.values import is_int, is_number
-from gyre_slurm.config.sections import MAX_TEMPERATURE
+from gyre_slurm.config.checks import MAX_TEMPERATURE
 from gyre_slurm.gateway.errors import RequestError
 
 __all__ = ["RequestError", "Sampling", "Choice", "parse_sampling", "parse_messages",

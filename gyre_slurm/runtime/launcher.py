@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from gyre_slurm.config.sections import MAX_LOCAL_NODES
+from gyre_slurm.config.checks import MAX_LOCAL_NODES
 from gyre_slurm.errors import UserError
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@ refused up front, with what to change, rather than left to run for days or to ex
 memory (a hostile or mistyped workload file: runs of 1e30 s, a throughput of 1e-30
 tokens/s, a million steps).
 
-- at most config.sections.MAX_JOB_RUNS runs (each is a row of the workload's arrays),
+- at most config.checks.MAX_JOB_RUNS runs (each is a row of the workload's arrays),
   refused as the config loads (the runtime books every run too);
 - at most MAX_CELLS cells (a policy tick looks at every cell; 64 cells already take
   minutes), each serving at most MAX_CELL_RUNS runs at once;
