@@ -89,7 +89,7 @@ class TrainingLoop:
                     if not trained and world.members and book.step_complete():
                         await self.finish_step()
                         await self.checkpoint()
-                        self.check_diverged()
+                        self.check_progress()
                         continue
                 except MicrobatchFailed as failed:  # a member lost? rebuild and rewind
                     await self.recovery.after_training_error(failed.error, failed.microbatch)
@@ -172,7 +172,7 @@ class TrainingLoop:
         finally:  # the step is done even if a rank was lost while it was sent
             self._step_event(step, state, version, t0, stats, figures)
 
-    def check_diverged(self) -> None:
+    def check_progress(self) -> None:
         """Stop the job after `faults.max_skipped_steps` steps in a row trained nothing,
         saying why and how to go on."""
         limit = self.job.cfg.faults.max_skipped_steps
