@@ -132,6 +132,43 @@ def test_scaffold_timeout_and_failure(engine, tmp_path):
     assert record["scaffold"]["exit_code"] == 3
 
 
+def test_the_run_key_never_shows_in_a_command_line(engine, tmp_path, monkeypatch):
+    """Any user of a node reads every process's arguments (/proc/PID/cmdline, `ps`);
+    only the process's own user reads its environment. While a scaffold runs, no
+    command line on this host carries its run key or its config's variables, and the
+    scaffold still gets them (and nothing of the job's own environment)."""
+    import threading
+    from gyre_slurm.gateway.runs import KEY_PREFIX
+    monkeypatch.setenv("GYRE_TEST_JOB_ONLY", "job-side-value")
+    script = ("import json, os, time; json.dump({'env': dict(os.environ)}, "
+              "open('env.json', 'w')); time.sleep(4)")
+    spec = ScaffoldConfig(type="command", command=("python3", "-c", script), timeout_s=60,
+                          env_vars={"MY_SETTING": "scaffold-only-value"})
+    seen, done = [], threading.Event()
+
+    def scan():
+        while not done.is_set():
+            for pid in os.listdir("/proc"):
+                line = faults.cmdline(pid) if pid.isdigit() else ""
+                if KEY_PREFIX in line or "scaffold-only-value" in line:
+                    seen.append(line)
+            time.sleep(0.05)
+    scanner = threading.Thread(target=scan, daemon=True)
+    scanner.start()
+    try:
+        record, _, _, _ = scaffold_run(engine, tmp_path / "run", spec)
+    finally:
+        done.set()
+        scanner.join()
+    assert record["status"] == "ok", record["error"]
+    env = json.loads((tmp_path / "run" / "scaffolds" / "s0000-p000-g00" / "env.json")
+                     .read_text())["env"]
+    assert env["OPENAI_API_KEY"].startswith(KEY_PREFIX) and env["MY_SETTING"] == \
+        "scaffold-only-value" and env["GYRE_RUN_ID"] == "s0000-p000-g00"
+    assert "GYRE_TEST_JOB_ONLY" not in env, sorted(env)
+    assert not seen, seen[:3]
+
+
 def test_commands_past_max_steps_are_refused(engine, tmp_path):
     spec = probe_spec(tmp_path, env_vars={"PROBE_COMMANDS": json.dumps(["true"] * 4)})
     record, probe, _, _ = scaffold_run(engine, tmp_path / "run", spec,

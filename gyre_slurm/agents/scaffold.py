@@ -184,9 +184,10 @@ class ScaffoldRunner:
                  "--ro-bind", str(self.socket_path.parent), RUN_SOCKET]
         if self.spec.workdir:
             argv += ["--ro-bind", str(Path(self.spec.workdir).resolve()), OPT_SCAFFOLD]
-        argv += ["--remount-ro", "/", "--chdir", cwd, "--clearenv"]
-        for k, v in env.items():
-            argv += ["--setenv", k, v]
+        # The environment is bwrap's own (`start` gives it exactly `env`), not --setenv:
+        # a process's arguments are world-readable (/proc/PID/cmdline, `ps`) on a node
+        # other users may share, its environment only to its own user.
+        argv += ["--remount-ro", "/", "--chdir", cwd]
         if os.geteuid() == 0:
             argv += drop_argv(self.uid)
         mib = 1 << 20
@@ -194,7 +195,7 @@ class ScaffoldRunner:
                  f"--fsize={1024 * mib}", "--core=0", "--",
                  self.python, f"{OPT_GYRE}/{RELAY}", "--port", str(SANDBOX_PORT),
                  "--socket", f"{RUN_SOCKET}/{self.socket_path.name}", "--", *command]
-        return argv, {}
+        return argv, env
 
     def _prepare_home(self, run_id: str, task: str) -> Path:
         home = self.home(run_id)
@@ -215,7 +216,7 @@ class ScaffoldRunner:
         cwd = env.pop("GYRE_CWD", None) or str(home)
         with open(log_path, "ab") as log:
             proc = await asyncio.create_subprocess_exec(
-                *argv, cwd=cwd, env=env if not self.bwrap else {"PATH": SANDBOX_PATH},
+                *argv, cwd=cwd, env=env,
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)
         return proc, log_path
