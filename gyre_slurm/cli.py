@@ -8,7 +8,7 @@ import importlib
 import logging
 import sys
 
-from gyre_slurm.errors import UserError
+from gyre_slurm.errors import JobFailed, UserError
 
 # Modules that add a subcommand. Import is cheap: none imports an engine at module level.
 SUBCOMMAND_MODULES = (
@@ -46,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"gyre {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except JobFailed as exc:
+        logging.getLogger("gyre_slurm").debug("the job failed", exc_info=True)
+        print(f"gyre {args.command}: failed: {exc}", file=sys.stderr)
+        return 1
     except BrokenPipeError:
         return 0
 

@@ -208,6 +208,9 @@ def test_node_agents_that_do_not_register_in_time_are_named_with_their_logs(gyre
     assert "4 of 4 node agents did not register within faults.agent_register_s = 0.01 s " \
            "(nodes 0, 1, 2, 3): see " + str(run_dir / "logs" / "agent-node1.log") in proc.stderr
     assert "raise faults.agent_register_s" in proc.stderr
+    # a failure of the job's start, not of its config: exit 1, one line, no traceback
+    assert "gyre run: failed: 4 of 4 node agents" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_gyre_submit_refuses_before_sbatch(gyre, bad_config, tmp_path):

@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from gyre_slurm.config.schema import GyreConfig
-from gyre_slurm.errors import UserError
+from gyre_slurm.errors import JobFailed, UserError
 from gyre_slurm.models import tiny
 from gyre_slurm.runtime import checkpoint
 from gyre_slurm.runtime.book import StepBook
@@ -71,7 +71,7 @@ from gyre_slurm.sched.types import Observation
 log = logging.getLogger(__name__)
 
 
-class AgentLost(RuntimeError):
+class AgentLost(JobFailed):
     """A node agent stopped answering."""
 
 

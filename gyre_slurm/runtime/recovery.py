@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gyre_slurm.common.fsio import loads_json
+from gyre_slurm.errors import JobFailed
 from gyre_slurm.runtime import checkpoint
 from gyre_slurm.runtime.book import Microbatch
 from gyre_slurm.runtime.control import AgentUnreachable, CommandError, ControlClient
@@ -78,7 +79,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class JobCannotContinue(RuntimeError):
+class JobCannotContinue(JobFailed):
     """After a failure, no cell is left that could roll out or train."""
 
 

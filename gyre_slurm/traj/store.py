@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from gyre_slurm.errors import UserError
+from gyre_slurm.errors import JobFailed, UserError
 from gyre_slurm.common.fsio import DiskFull, is_disk_full, loads_json, write_all
 from gyre_slurm.traj.delta import CallDelta
 from gyre_slurm.traj.encode import DeltaEncoder
@@ -183,7 +183,7 @@ def segment_path(run_dir: str | os.PathLike, writer_id: str) -> Path:
     return Path(run_dir) / "calls" / f"{writer_id}{SEGMENT_SUFFIX}"
 
 
-class CallStoreFailed(RuntimeError):
+class CallStoreFailed(JobFailed):
     """The call store could not record a call (an I/O error other than disk full)."""
 
 
