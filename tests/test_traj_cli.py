@@ -153,6 +153,10 @@ def test_runs_can_be_a_directory_of_run_records(tmp_path):
     ({"run_id": "r" * 70_000}, "run_id must be at most 65,535 bytes"),
     ({"finish_reason": "s" * 70_000}, "finish_reason must be a string of at most 65,535"),
     ({"output_logprobs": [1e308, -0.1]}, "output_logprobs must be a list of finite numbers"),
+    # JSON's "\ud800" decodes to a lone surrogate, which no UTF-8 file holds: it stopped
+    # the import with a UnicodeEncodeError traceback
+    ({"run_id": "bad\ud800"}, "run_id must be at most 65,535 bytes of UTF-8 (no lone"),
+    ({"finish_reason": "\udfff"}, "finish_reason must be a string of at most 65,535 bytes"),
 ])
 def test_import_refuses_what_the_store_cannot_hold_and_keeps_the_rest(tmp_path, capsys, change,
                                                                       reason):

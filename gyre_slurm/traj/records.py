@@ -181,14 +181,29 @@ def logprob_array(values: Any, *, name: str) -> np.ndarray:
     return arr
 
 
+def utf8_size(text: str) -> int | None:
+    """The UTF-8 size of `text`; None where it holds a lone surrogate (JSON's "\\ud800"
+    decodes to one), which no UTF-8 file can hold."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        return None
+
+
+def _name_ok(text: str) -> bool:
+    size = utf8_size(text)
+    return size is not None and size <= MAX_NAME_BYTES
+
+
 def _header(obj: Any) -> tuple[str, int]:
     if not isinstance(obj, dict):
         raise BadRecord("a call record must be a JSON object")
     run_id = obj.get("run_id")
     _require(isinstance(run_id, str) and run_id != "", "run_id must be a non-empty string",
              None, None)
-    _require(len(run_id.encode("utf-8", "surrogatepass")) <= MAX_NAME_BYTES,
-             f"run_id must be at most {MAX_NAME_BYTES:,} bytes", run_id[:64], None)
+    _require(_name_ok(run_id), f"run_id must be at most {MAX_NAME_BYTES:,} bytes of UTF-8 (no "
+             f"lone surrogate such as \\ud800)", run_id[:64].encode(
+                 "utf-8", "backslashreplace").decode(), None)
     call = obj.get("call")
     _require(is_int(call) and 0 <= call <= MAX_CALL,
              f"call must be an integer from 0 to {MAX_CALL}", run_id, None)
@@ -216,9 +231,9 @@ def parse_call(obj: Any, *, vocab_size: int | None = None) -> CallRecord:
     _require(all(is_finite_number(t) for t in times),
              "t_start and t_end must be finite numbers", run_id, call)
     finish = obj.get("finish_reason", "")
-    _require(isinstance(finish, str)
-             and len(finish.encode("utf-8", "surrogatepass")) <= MAX_NAME_BYTES,
-             f"finish_reason must be a string of at most {MAX_NAME_BYTES:,} bytes", run_id, call)
+    _require(isinstance(finish, str) and _name_ok(finish),
+             f"finish_reason must be a string of at most {MAX_NAME_BYTES:,} bytes of UTF-8 "
+             f"(no lone surrogate such as \\ud800)", run_id, call)
     extra = {k: v for k, v in obj.items() if k not in CALL_KEYS}
     return CallRecord(run_id, call, prompt, output, logprobs, version,
                       float(times[0]), float(times[1]), finish, extra)
