@@ -116,6 +116,28 @@ def test_yaml_file_errors(tmp_path):
         load_config(binary)
 
 
+@pytest.mark.parametrize("text, message", [
+    ('description: "x\\ud800"', "description: 'x\\ud800' holds a lone surrogate"),
+    ('agent: {scaffold: {type: command, command: [a, "\\udfff"]}}',
+     "agent.scaffold.command[1]: '\\udfff' holds a lone surrogate"),
+    ('agent: {scaffold: {type: command, command: [a], env_vars: {A: "x\\0y"}}}',
+     "agent.scaffold.env_vars.A: 'x\\x00y' holds a NUL character"),
+    ('model: {path: "/m\\0"}', "model.path: '/m\\x00' holds a NUL character"),
+])
+def test_strings_are_text_every_program_takes(tmp_path, text, message):
+    """YAML's escapes make a lone surrogate (no UTF-8 file, environment or path holds
+    one) or a NUL (ends a C string): refused with the key at load; they failed later, in
+    the run's processes (an env var's value, a command, a path)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert message in str(info.value), str(info.value)
+    ok = tmp_path / "ok.yaml"
+    ok.write_text('description: "gr\\U0001F600\\u00e9"\n')  # the character itself: taken
+    assert load_config(ok).description == "gr\U0001F600\u00e9"
+
+
 BOMB = "".join(f"{x}: &{x} [{', '.join([f'*{p}'] * 9) if p else ', '.join(['1'] * 9)}]\n"
                for p, x in zip([None, *"abcdefgh"], "abcdefghi"))
 

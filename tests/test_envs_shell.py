@@ -129,6 +129,16 @@ def test_a_malformed_task_file_is_a_clear_error(tmp_path):
     (empty / "task.yaml").write_text("instruction: x\ntest_command: {a: 1}\ntests: [a]\n")
     with pytest.raises(UserError, match="`test_command` must be non-empty text"):
         load_task(empty)
+    # YAML's and JSON's escapes: a lone surrogate (no UTF-8, so no prompt or file) or a
+    # NUL (ends the command's C string), refused with the key, not failed in each run
+    (empty / "task.yaml").write_text('instruction: "fix \\ud800"\ntest_command: y\ntests: [a]\n')
+    with pytest.raises(UserError, match="`instruction`: 'fix .ud800' holds a lone surrogate"):
+        load_task(empty)
+    (empty / "task.yaml").unlink()
+    (empty / "task.json").write_text('{"instruction": "x", "test_command": "y\\u0000",'
+                                     ' "tests": ["a"]}')
+    with pytest.raises(UserError, match="`test_command`: 'y.x00' holds a NUL character"):
+        load_task(empty)
 
 
 @pytest.mark.parametrize("command, params, limit", [

@@ -49,6 +49,22 @@ class StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def text_problem(value: str) -> str | None:
+    """Why `value` is not text every program and file takes, or None. YAML's "\\ud800"
+    and JSON's "\\ud800" make a lone surrogate (no UTF-8 holds it: a file, an environment
+    variable, a path, a tokenizer's input); "\\0" a NUL (ends a C string: an argument,
+    a path)."""
+    if "\0" in value:
+        return f"{value[:60]!r} holds a NUL character (\\0): remove it"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (f"{value[:60]!r} holds a lone surrogate ({value[exc.start]!r}), which is not "
+                f"text: write the character itself, or escape it as \\U0001F600 (YAML takes "
+                f"no surrogate pairs)")
+    return None
+
+
 def load_yaml(text: str, *, what: str) -> Any:
     """The data of `text`; a UserError naming `what` if it is not YAML (or gives a key
     twice in one mapping) or is too large."""

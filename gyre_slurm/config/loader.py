@@ -26,7 +26,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 import yaml
 
 from gyre_slurm.common.values import is_finite_number, is_int, is_number
-from gyre_slurm.common.yamltext import load_yaml, read_yaml
+from gyre_slurm.common.yamltext import load_yaml, read_yaml, text_problem
 from gyre_slurm.errors import ConfigError, UserError
 
 T = TypeVar("T")
@@ -227,6 +227,9 @@ def _convert_scalar(tp: Any, value: Any, *, path: str) -> Any:
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{path}: expected a string, got {_describe(value)}")
+        problem = text_problem(value)
+        if problem:
+            raise ConfigError(f"{path}: {problem}")
         return value
     raise TypeError(f"config schema uses an unsupported type {tp!r} at {path}")
 

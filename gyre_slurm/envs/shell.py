@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre_slurm.common.fsio import loads_json
-from gyre_slurm.common.yamltext import read_text, read_yaml
+from gyre_slurm.common.yamltext import read_text, read_yaml, text_problem
 from gyre_slurm.envs.base import StepResult, register_env
 from gyre_slurm.envs.sandbox import (
     ISOLATIONS, Limits, Sandbox, default_sandbox_uid, ensure_bwrap)
@@ -137,6 +137,11 @@ def load_task(root: Path) -> ShellTask:
     if image is not None and not (isinstance(image, str) and image.strip()):
         raise UserError(f"shell task {root}: `image` must be a path (a container image "
                         f"folder, relative to the task's), got {image!r}")
+    for key in ("instruction", "test_command", "image", "tests"):
+        for value in data[key] if key == "tests" else [data.get(key) or ""]:
+            problem = text_problem(value)
+            if problem:
+                raise UserError(f"shell task {root}: `{key}`: {problem}")
     return ShellTask(name=root.name, root=root, instruction=str(data["instruction"]).strip(),
                      test_command=str(data["test_command"]), tests=tuple(tests),
                      image=None if image is None else (root / image).resolve())
