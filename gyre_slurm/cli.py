@@ -35,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Text from a run dir (an event's error, a task id) may hold what no encoding takes
+    # (a lone surrogate from a JSON escape): printed escaped, as stderr does, not a crash
+    # of `gyre status` on one odd line.
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

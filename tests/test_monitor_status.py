@@ -297,6 +297,8 @@ def test_misshapen_events_are_skipped_and_reported(run_dir, tmp_path):
      "waterlevel_history[1] does not fit"),
     (lambda d: d.__setitem__("rewards", [{"step": 0, "mean_reward": "high"}]),
      "rewards[0] does not fit"),
+    # the cells' fields were checked even when `cells` was not a list: a TypeError
+    (lambda d: d.__setitem__("cells", 1.5), "'cells' must be a list of cells"),
 ])
 def test_a_status_json_of_another_shape_is_refused_like_a_garbled_one(run_dir, tmp_path,
                                                                       edit, why):
@@ -312,6 +314,19 @@ def test_a_status_json_of_another_shape_is_refused_like_a_garbled_one(run_dir, t
     assert proc.returncode == 2 and why in proc.stderr
     proc = gyre("report", str(run_dir), "-o", str(tmp_path / "r.png"))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_text_no_encoding_takes_is_printed_escaped(run_dir):
+    """A lone surrogate (JSON's "\\ud800") in status.json or an event stopped `gyre
+    status` with a UnicodeEncodeError traceback as it printed: shown escaped."""
+    data = json.loads((run_dir / "status.json").read_text())
+    data["policy"] = "elastic\ud800"
+    (run_dir / "status.json").write_text(json.dumps(data))
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write(json.dumps({"kind": "note\udfff", "t": 1.0}) + "\n")
+    proc = gyre("status", str(run_dir), "--once")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "elastic\\ud800" in proc.stdout
 
 
 def check_segments(segs: list, span_s: float) -> None:

@@ -156,6 +156,8 @@ CELL_FIELDS: dict[str, tuple[bool, Callable, str]] = {
 def status_error(data: dict) -> str | None:
     """What is wrong with status.json for the monitor, or None."""
     why = _fields_error(data, STATUS_FIELDS, "status.json")
+    if why:  # the cells' own fields only once `cells` is a list of objects
+        return why
     for i, c in enumerate(data.get("cells") or []):
         why = why or _fields_error(c, CELL_FIELDS, f"status.json cells[{i}]")
     return why
