@@ -329,6 +329,18 @@ def test_text_no_encoding_takes_is_printed_escaped(run_dir):
     assert "elastic\\ud800" in proc.stdout
 
 
+def test_a_final_status_without_its_time_is_drawn(run_dir):
+    """`t` is optional in status.json: a final one without it ended the view with a
+    KeyError traceback (the timeline's end); the last event's time stands in."""
+    data = json.loads((run_dir / "status.json").read_text())
+    data.pop("t")
+    data["final"] = True
+    (run_dir / "status.json").write_text(json.dumps(data))
+    proc = gyre("status", str(run_dir), "--once")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "cell" in proc.stdout
+
+
 def check_segments(segs: list, span_s: float) -> None:
     """Each cell's segments run back to back (gaps only where a job stopped)."""
     for cell in {s[0] for s in segs}:

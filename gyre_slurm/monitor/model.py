@@ -265,8 +265,8 @@ class Snapshot:
 
     @property
     def end_t(self) -> float:
-        if self.status and self.status.get("final"):
-            return self.status["t"]
+        if self.status and self.status.get("final") and "t" in self.status:
+            return self.status["t"]  # (`t` is optional: status_error checked it is a time)
         if self.events and self.events[-1]["kind"] == "finish":
             return self.events[-1]["t"]
         return self.now
