@@ -137,11 +137,11 @@ def load_task(root: Path) -> ShellTask:
     if image is not None and not (isinstance(image, str) and image.strip()):
         raise UserError(f"shell task {root}: `image` must be a path (a container image "
                         f"folder, relative to the task's), got {image!r}")
-    for key in ("instruction", "test_command", "image", "tests"):
-        for value in data[key] if key == "tests" else [data.get(key) or ""]:
-            problem = text_problem(value)
-            if problem:
-                raise UserError(f"shell task {root}: `{key}`: {problem}")
+    texts = {"instruction": [data["instruction"]], "test_command": [data["test_command"]],
+             "tests": tests, "image": [image] if image is not None else []}
+    for key, values in texts.items():
+        for problem in filter(None, map(text_problem, values)):
+            raise UserError(f"shell task {root}: `{key}`: {problem}")
     return ShellTask(name=root.name, root=root, instruction=str(data["instruction"]).strip(),
                      test_command=str(data["test_command"]), tests=tuple(tests),
                      image=None if image is None else (root / image).resolve())

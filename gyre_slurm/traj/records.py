@@ -181,18 +181,13 @@ def logprob_array(values: Any, *, name: str) -> np.ndarray:
     return arr
 
 
-def utf8_size(text: str) -> int | None:
-    """The UTF-8 size of `text`; None where it holds a lone surrogate (JSON's "\\ud800"
-    decodes to one), which no UTF-8 file can hold."""
-    try:
-        return len(text.encode("utf-8"))
-    except UnicodeEncodeError:
-        return None
-
-
 def _name_ok(text: str) -> bool:
-    size = utf8_size(text)
-    return size is not None and size <= MAX_NAME_BYTES
+    """At most MAX_NAME_BYTES of UTF-8, with no lone surrogate (JSON's "\\ud800" decodes
+    to one, and no UTF-8 file can hold it)."""
+    try:
+        return len(text.encode("utf-8")) <= MAX_NAME_BYTES
+    except UnicodeEncodeError:
+        return False
 
 
 def _header(obj: Any) -> tuple[str, int]:
