@@ -159,6 +159,42 @@ def test_a_command_over_a_limit_ends_the_episode_with_its_reason(command, params
         assert res.observation.count("flood") <= 4096 // 6 + 1
 
 
+@pytest.mark.parametrize("command, params", [
+    # many files each under fsize_mb: RLIMIT_FSIZE bounds one file, not how many
+    ("for i in $(seq 200); do head -c 1M /dev/zero > f$i; done; sleep 60",
+     {"disk_mb": 8, "fsize_mb": 2}),
+    # a flood of empty files: no blocks, but an inode each (counted 4 KiB)
+    ("mkdir d && cd d && seq 1000000 | xargs touch; sleep 60", {"disk_mb": 2}),
+    # over the budget and done before the first poll: the check after it ends
+    ("head -c 3M /dev/zero > a; head -c 3M /dev/zero > b", {"disk_mb": 4, "fsize_mb": 4}),
+])
+def test_a_command_that_fills_the_workdir_is_killed_and_scores_nothing(command, params):
+    """The workdir (under RUN_DIR/sandboxes, the shared filesystem) holds at most
+    `disk_mb`: past it the command is killed, the episode ends with the limit "disk",
+    and the tests find the workdir still over it, so they are stopped too (reward 0)."""
+    t0 = time.monotonic()
+    (res,), workdir = run(episode([reply(command)], time_s=60.0, **params))
+    assert res.done and res.info["limit"] == "disk", res.info
+    assert "exceeded the disk limit" in res.observation and res.info["exit_code"] is None
+    assert res.reward == 0.0 and res.info["test_limit"] == "disk", res.info
+    assert time.monotonic() - t0 < 30 and not workdir.exists()
+
+
+def test_disk_usage_counts_blocks_inodes_once_and_stops_at_its_cap(tmp_path):
+    from gyre_slurm.envs.sandbox import BLOCK, disk_usage
+
+    (tmp_path / "a").write_bytes(b"x" * 100_000)
+    os.link(tmp_path / "a", tmp_path / "hard")  # one inode: counted once
+    (tmp_path / "sparse").touch()
+    os.truncate(tmp_path / "sparse", 1 << 30)  # 1 GiB long, no blocks
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "e").touch()
+    os.symlink("/usr", tmp_path / "link")  # not followed
+    got = disk_usage(tmp_path, cap=1 << 40)
+    assert 100_000 <= got <= 100_000 + 8 * BLOCK + 65536, got
+    assert disk_usage(tmp_path, cap=BLOCK) > BLOCK  # stopped once past the cap
+
+
 # Run from a checkout (argv[1]: a world-writable host dir in it, argv[2]: a file name): a
 # solved episode, writes outside the workdir, and a search of the whole sandbox for
 # anything of the tasks (this checkout's, another checkout's, an installed copy's).

@@ -33,8 +33,13 @@ missing and we are root, then checks that a sandbox starts). What holds:
 - limits (`prlimit`, inside the sandbox, per process): CPU seconds (RLIMIT_CPU),
   address space (RLIMIT_AS), file size (RLIMIT_FSIZE), processes (RLIMIT_NPROC,
   counted per sandbox thanks to its user namespace), no core files; plus wall time
-  (the process group is killed; the PID namespace dies with it) and an output cap
-  (stdout+stderr merged; past `output_bytes` the command is killed).
+  (the process group is killed; the PID namespace dies with it), an output cap
+  (stdout+stderr merged; past `output_bytes` the command is killed) and a disk budget:
+  the workdir, the one writable place, holds at most `disk_mb` (measured while the
+  command runs, every `DISK_POLL_S` or more, and once it ends; every file and folder
+  counts at least one 4 KiB block, so a flood of empty files is counted too); past it
+  the command is killed. RLIMIT_FSIZE bounds one file, not how many: without the budget
+  a command writing many 64 MB files filled the node's disk.
 What does not hold: reads within the system directories are not restricted (their
 world-readable files, e.g. the Python installation and /etc, are visible); RLIMIT_AS is per process,
 so N processes may use N x memory_mb (no cgroup); the "memory" reason is inferred from
@@ -87,7 +92,8 @@ class Limits:
     """Per-command limits. `time_s`: wall clock (then the process group is killed);
     `cpu_s`: CPU seconds per process; `memory_mb`: address space per process;
     `fsize_mb`: largest file a process may write; `nproc`: processes (and threads) in
-    the sandbox; `output_bytes`: stdout+stderr kept before the command is killed."""
+    the sandbox; `output_bytes`: stdout+stderr kept before the command is killed;
+    `disk_mb`: what the workdir may hold (see the module docstring)."""
 
     time_s: float = 30.0
     cpu_s: int = 30
@@ -95,9 +101,11 @@ class Limits:
     fsize_mb: int = 64
     nproc: int = 128
     output_bytes: int = 16_384
+    disk_mb: int = 1024
 
     def __post_init__(self) -> None:
-        for name in ("time_s", "cpu_s", "memory_mb", "fsize_mb", "nproc", "output_bytes"):
+        for name in ("time_s", "cpu_s", "memory_mb", "fsize_mb", "nproc", "output_bytes",
+                     "disk_mb"):
             if not getattr(self, name) > 0:
                 raise UserError(f"sandbox limit {name} must be > 0, got {getattr(self, name)!r}")
 
@@ -111,9 +119,48 @@ class Limits:
 @dataclass(frozen=True)
 class CommandResult:
     output: str  # stdout+stderr, at most output_bytes (decoded, bad bytes replaced)
-    exit_code: int | None  # None when we killed it (time or output limit)
-    limit: str | None  # "time" | "output" | "cpu" | "memory" | "fsize" | None
+    exit_code: int | None  # None when we killed it (time, output or disk limit)
+    limit: str | None  # "time" | "output" | "disk" | "cpu" | "memory" | "fsize" | None
     elapsed_s: float
+
+
+BLOCK = 4096  # the least a file or folder is counted for (an inode and a block)
+DISK_POLL_S = 0.5  # the disk budget's check while a command runs (longer if a check is slow)
+
+
+def disk_usage(root: Path, *, cap: int) -> int:
+    """Bytes `root`'s tree takes (its blocks, each entry at least BLOCK, each inode
+    once), counted until past `cap` (then a number > cap: the walk stops there, so a
+    tree of a million files costs no more than the budget's worth of entries). A folder
+    the sandbox made unreadable to its owner is made readable again (it is ours)."""
+    total, seen, stack = 0, set(), [str(root)]
+    while stack:
+        path = stack.pop()
+        try:
+            it = os.scandir(path)
+        except PermissionError:
+            try:
+                os.chmod(path, 0o700)
+                it = os.scandir(path)
+            except OSError:
+                continue
+        except OSError:  # gone meanwhile
+            continue
+        with it:
+            for entry in it:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if (st.st_dev, st.st_ino) in seen:
+                    continue
+                seen.add((st.st_dev, st.st_ino))
+                total += max(st.st_blocks * 512, BLOCK)
+                if total > cap:
+                    return total
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+    return total
 
 
 def limit_hit(exit_code: int | None, output: str) -> str | None:
@@ -322,18 +369,37 @@ class Sandbox:
         reader = asyncio.StreamReader(limit=1 << 20)
         transport, _ = await loop.connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(rfd, "rb", buffering=0))
+        full = asyncio.Event()
+        watch = asyncio.create_task(self._watch_disk(proc, full))
         try:
             out, limit = await self._collect(proc, reader)
         finally:
+            watch.cancel()
             transport.close()
             # bwrap: the PID namespace ends with the command; none: kill what it left
             if proc.returncode is None or self.isolation == "none":
                 _kill_group(proc)
             await proc.wait()
-        code = None if limit in ("time", "output") else proc.returncode
+        if full.is_set() or await self._over_disk():
+            limit = "disk"  # (the check after it ends: a command shorter than a poll)
+        code = None if limit in ("time", "output", "disk") else proc.returncode
         text = out.decode("utf-8", errors="replace")
         return CommandResult(output=text, exit_code=code, limit=limit or limit_hit(code, text),
                              elapsed_s=time.monotonic() - t0)
+
+    async def _over_disk(self) -> bool:
+        cap = self.limits.disk_mb << 20
+        return await asyncio.to_thread(disk_usage, self.workdir, cap=cap) > cap
+
+    async def _watch_disk(self, proc, full: asyncio.Event) -> None:
+        """Kill the command once the workdir holds more than `disk_mb`."""
+        while proc.returncode is None:
+            t0 = time.monotonic()
+            if await self._over_disk():
+                full.set()
+                _kill_group(proc)
+                return
+            await asyncio.sleep(max(DISK_POLL_S, 4 * (time.monotonic() - t0)))
 
     async def _collect(self, proc, reader) -> tuple[bytes, str | None]:
         """Read merged output until EOF; ("time"|"output") when a limit cut it short."""

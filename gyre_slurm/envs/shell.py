@@ -30,7 +30,8 @@ just `submit` ends the episode.
 The episode ends (done=True), and is scored, on: `submit` (end_reason "submit"),
 the `max_steps`-th reply (end_reason "max_steps"), or a command that exceeds a limit
 (end_reason "limit", `info["limit"]` in "time" | "cpu" | "memory" | "fsize" |
-"output"; the observation says which). Scoring copies the tests in, runs
+"output" | "disk"; the observation says which; "disk": the workdir holds more than
+`disk_mb`, 1024 by default: a task whose files need more must raise it). Scoring copies the tests in, runs
 `test_command` in the same sandbox with the same limits, and reads the lines
 `PASS <name>` / `FAIL <name>` (anything may follow a colon) that it writes to the
 descriptor named by $GYRE_RESULTS_FD (a pipe of its own: `gyre_runner.py` does this; a
@@ -191,7 +192,7 @@ class ShellEnv:
                  isolation: str = "bwrap", keep_workdir: bool = False, max_steps: int = 30,
                  time_s: float = 30.0, cpu_s: int = 30, memory_mb: int = 1024,
                  fsize_mb: int = 64, nproc: int = 128, output_bytes: int = 16_384,
-                 sandbox_uid: int | None = None):
+                 disk_mb: int = 1024, sandbox_uid: int | None = None):
         if isolation not in ISOLATIONS:
             raise UserError(f"shell: isolation must be one of {ISOLATIONS} ('none' runs "
                             f"commands unisolated: trusted tasks only), got {isolation!r}")
@@ -203,7 +204,7 @@ class ShellEnv:
         self.isolation, self.keep_workdir, self.max_steps = isolation, keep_workdir, int(max_steps)
         self.limits = Limits(time_s=float(time_s), cpu_s=int(cpu_s), memory_mb=int(memory_mb),
                              fsize_mb=int(fsize_mb), nproc=int(nproc),
-                             output_bytes=int(output_bytes))
+                             output_bytes=int(output_bytes), disk_mb=int(disk_mb))
         self.uid = default_sandbox_uid() if sandbox_uid is None else int(sandbox_uid)
         if isolation == "bwrap":
             ensure_bwrap()  # refuses to start without working isolation
