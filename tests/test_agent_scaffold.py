@@ -169,6 +169,25 @@ def test_the_run_key_never_shows_in_a_command_line(engine, tmp_path, monkeypatch
     assert not seen, seen[:3]
 
 
+def test_a_scaffold_that_fills_its_home_is_stopped(engine, tmp_path):
+    """Its home is on the shared filesystem (RUN_DIR/scaffolds/<run_id>): past
+    `disk_mb` the scaffold is stopped and the run fails saying why, in seconds, not at
+    its timeout; one that stays under it runs as before."""
+    fill = ("import time\nfor i in range(400):\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))"
+            "\ntime.sleep(120)")
+    spec = ScaffoldConfig(type="command", command=("python3", "-c", fill), timeout_s=120,
+                          disk_mb=16)
+    t0 = time.monotonic()
+    record, _, _, _ = scaffold_run(engine, tmp_path / "full", spec)
+    assert record["status"] == "failed", record
+    assert "held more than agent.scaffold.disk_mb = 16 MiB" in record["error"], record
+    assert time.monotonic() - t0 < 60 and record["reward"] == 0.0
+    spec = ScaffoldConfig(type="command", command=("python3", "-c", "open('a', 'wb').write("
+                                                   "b'x' * (1 << 20))"), disk_mb=16)
+    record, _, _, _ = scaffold_run(engine, tmp_path / "fits", spec)
+    assert record["scaffold"]["status"] == "ok", record
+
+
 def test_commands_past_max_steps_are_refused(engine, tmp_path):
     spec = probe_spec(tmp_path, env_vars={"PROBE_COMMANDS": json.dumps(["true"] * 4)})
     record, probe, _, _ = scaffold_run(engine, tmp_path / "run", spec,

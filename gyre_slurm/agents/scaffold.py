@@ -24,7 +24,8 @@ The scaffold's sandbox (bubblewrap, `isolation: bwrap`):
 - processes: private PID/IPC/UTS namespaces, uid nobody when started by root, no
   capabilities, a clean environment (OPENAI_BASE_URL, OPENAI_API_KEY = the run's key,
   GYRE_RUN_ID, GYRE_EXEC_URL, GYRE_TASK, the config's `env`), limits on address space,
-  processes and file size, and everything it started dies with it.
+  processes and file size, and everything it started dies with it; its home holds at
+  most `disk_mb` (checked while it runs: past it the scaffold is stopped).
 `isolation: none` runs the scaffold as a plain process (trusted programs only): it can
 read whatever the job's user can, the job secret included.
 """
@@ -49,7 +50,7 @@ from gyre_slurm.agents.external import mini_swe_agent_config
 from gyre_slurm.common.fsio import write_bytes_atomic
 from gyre_slurm.envs.base import run_reward
 from gyre_slurm.envs.sandbox import (HIDDEN, SANDBOX_PATH, default_sandbox_uid, drop_argv,
-                                     ensure_bwrap, system_mounts)
+                                     ensure_bwrap, system_mounts, watch_disk)
 from gyre_slurm.errors import UserError
 
 HELPERS = Path(__file__).resolve().parent
@@ -221,15 +222,29 @@ class ScaffoldRunner:
                 start_new_session=True)
         return proc, log_path
 
-    async def wait(self, proc, log_path: Path) -> ScaffoldResult:
+    async def wait(self, proc, log_path: Path, home: Path | None = None) -> ScaffoldResult:
+        """Its end, its `timeout_s`, or its home (`home`, when given) past `disk_mb`."""
+        watch = asyncio.create_task(watch_disk(home, self.spec.disk_mb, proc)
+                                    if home is not None else asyncio.Event().wait())
+        ended = asyncio.ensure_future(proc.wait())
         try:
-            code = await asyncio.wait_for(proc.wait(), self.spec.timeout_s)
+            await asyncio.wait_for(asyncio.wait({ended, watch},
+                                                return_when=asyncio.FIRST_COMPLETED),
+                                   self.spec.timeout_s)
         except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
             await _stop(proc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return ScaffoldResult("timeout", proc.returncode, f"the scaffold ran past its "
                                   f"{self.spec.timeout_s:g} s and was stopped", str(log_path))
+        finally:
+            watch.cancel()
+        if watch.done() and not watch.cancelled() and watch.result():  # home over disk_mb
+            await _stop(proc)
+            return ScaffoldResult("failed", proc.returncode, f"the scaffold's home {home} "
+                                  f"held more than agent.scaffold.disk_mb = "
+                                  f"{self.spec.disk_mb} MiB and it was stopped", str(log_path))
+        code = await ended
         if code == 0:
             return ScaffoldResult("ok", 0, None, str(log_path))
         tail = log_path.read_bytes()[-LOG_TAIL:].decode(errors="replace")
@@ -268,7 +283,7 @@ async def run_scaffold(runner: ScaffoldRunner, *, env, task, run_id: str, gatewa
     gateway.attach_exec(run_id, env.execute)
     try:
         proc, log_path = await runner.start(run_id, key, instruction)
-        result = await runner.wait(proc, log_path)
+        result = await runner.wait(proc, log_path, home=runner.home(run_id))
     finally:
         gateway.detach_exec(run_id)  # no command after the scaffold's end
     record.update(num_calls=gateway.calls_of(run_id),

@@ -93,6 +93,8 @@ class ScaffoldConfig:
                  "secret) or none (trusted programs only)")
     memory_mb: int = key(4096, "address space per process of the scaffold")
     nproc: int = key(512, "processes and threads of the scaffold's sandbox")
+    disk_mb: int = key(1024, "what the scaffold's home (RUN_DIR/scaffolds/<run_id>, on the "
+                             "shared filesystem) may hold; past it the scaffold is stopped")
 
     def __post_init__(self) -> None:
         if self.type not in SCAFFOLD_TYPES:
@@ -104,12 +106,13 @@ class ScaffoldConfig:
             raise FieldError("command", f"is set but type is {self.type!r}: set type: command")
         if self.isolation not in ("bwrap", "none"):
             raise FieldError("isolation", f"= {self.isolation!r}: use bwrap or none")
-        for name in ("timeout_s", "step_limit", "memory_mb", "nproc"):
+        for name in ("timeout_s", "step_limit", "memory_mb", "nproc", "disk_mb"):
             if not getattr(self, name) > 0:
                 raise FieldError(name, f"must be > 0, got {getattr(self, name)}")
         # prlimit takes 64-bit limits: past them it refused to start every scaffold
         at_most("memory_mb", self.memory_mb, 1 << 30, "MiB: 1 PiB")
         at_most("nproc", self.nproc, 1 << 22, "Linux's largest pid_max")
+        at_most("disk_mb", self.disk_mb, 1 << 30, "MiB: 1 PiB")
         if self.python is not None and not self.python.strip():
             raise FieldError("python", "is empty: give an interpreter path, env:<role>, or null")
         bad = [k for k in self.env_vars if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)

@@ -163,6 +163,23 @@ def disk_usage(root: Path, *, cap: int) -> int:
     return total
 
 
+async def over_disk(root: Path, disk_mb: int) -> bool:
+    """Whether `root`'s tree holds more than `disk_mb` (`disk_usage`, in a thread)."""
+    cap = disk_mb << 20
+    return await asyncio.to_thread(disk_usage, root, cap=cap) > cap
+
+
+async def watch_disk(root: Path, disk_mb: int, proc) -> bool:
+    """True once `root` holds more than `disk_mb` while `proc` runs (checked every
+    DISK_POLL_S, or four times as long as a check took); False when `proc` ended first."""
+    while proc.returncode is None:
+        t0 = time.monotonic()
+        if await over_disk(root, disk_mb):
+            return True
+        await asyncio.sleep(max(DISK_POLL_S, 4 * (time.monotonic() - t0)))
+    return False
+
+
 def limit_hit(exit_code: int | None, output: str) -> str | None:
     """Which rlimit (if any) ended a command, from its exit status and output."""
     if exit_code in (128 + signal.SIGXCPU, -signal.SIGXCPU) or "CPU time limit exceeded" in output:
@@ -388,18 +405,13 @@ class Sandbox:
                              elapsed_s=time.monotonic() - t0)
 
     async def _over_disk(self) -> bool:
-        cap = self.limits.disk_mb << 20
-        return await asyncio.to_thread(disk_usage, self.workdir, cap=cap) > cap
+        return await over_disk(self.workdir, self.limits.disk_mb)
 
     async def _watch_disk(self, proc, full: asyncio.Event) -> None:
         """Kill the command once the workdir holds more than `disk_mb`."""
-        while proc.returncode is None:
-            t0 = time.monotonic()
-            if await self._over_disk():
-                full.set()
-                _kill_group(proc)
-                return
-            await asyncio.sleep(max(DISK_POLL_S, 4 * (time.monotonic() - t0)))
+        if await watch_disk(self.workdir, self.limits.disk_mb, proc):
+            full.set()
+            _kill_group(proc)
 
     async def _collect(self, proc, reader) -> tuple[bytes, str | None]:
         """Read merged output until EOF; ("time"|"output") when a limit cut it short."""
