@@ -38,7 +38,8 @@ def engine(tmp_path_factory):
         yield dict(e, url=e["urls"][0])
 
 
-def scaffold_run(engine, run_dir, spec, *, env_params=None, probe_env=None, other=None):
+def scaffold_run(engine, run_dir, spec, *, env_params=None, probe_env=None, other=None,
+                 max_calls=None):
     """One run of TASK with `spec`; (record, probe.json or None, calls in the store)."""
     async def main():
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -59,7 +60,7 @@ def scaffold_run(engine, run_dir, spec, *, env_params=None, probe_env=None, othe
         env = make_env("shell", base_dir=str(run_dir / "sandboxes"), **(env_params or {}))
         try:
             record = await run_scaffold(runner, env=env, task=TASK, run_id="s0000-p000-g00",
-                                        gateway=gw, run_seed=1)
+                                        gateway=gw, run_seed=1, max_calls=max_calls)
             after = gw.calls_of("s0000-p000-g00")
         finally:
             await env.close()
@@ -186,6 +187,42 @@ def test_a_scaffold_that_fills_its_home_is_stopped(engine, tmp_path):
                                                    "b'x' * (1 << 20))"), disk_mb=16)
     record, _, _, _ = scaffold_run(engine, tmp_path / "fits", spec)
     assert record["scaffold"]["status"] == "ok", record
+
+
+CALLER = """
+import json, os, urllib.error, urllib.request
+statuses = []
+for i in range(8):
+    body = {"model": "m", "n": 2 if i == 4 else 1, "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}]}
+    req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+                                 data=json.dumps(body).encode(), headers={
+                                     "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+                                     "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            statuses.append(r.status)
+    except urllib.error.HTTPError as e:
+        statuses.append([e.code, json.loads(e.read())["error"]["message"]])
+json.dump(statuses, open("statuses.json", "w"))
+"""
+
+
+def test_a_run_past_its_model_calls_is_answered_429(engine, tmp_path):
+    """gateway.max_calls_per_run bounds a scaffold's model calls (choices, recorded or
+    in flight): a scaffold that loops on the model gets 429 past it, and nothing more is
+    recorded; one request of n = 2 with one call left is refused whole."""
+    spec = ScaffoldConfig(type="command", command=("python3", "-c", CALLER), timeout_s=120)
+    record, _, calls, _ = scaffold_run(engine, tmp_path / "run", spec, max_calls=5)
+    statuses = json.loads((tmp_path / "run" / "scaffolds" / "s0000-p000-g00" /
+                           "statuses.json").read_text())
+    assert statuses[:4] == [200] * 4 and statuses[5] == 200, statuses
+    assert statuses[4][0] == 429 and "has made 4 model calls of the 5" in statuses[4][1]
+    assert [s[0] for s in statuses[6:]] == [429, 429]  # n = 2 with one left: refused whole
+    assert "has made 5 model calls of the 5 it may (gateway.max_calls_per_run)" in \
+        statuses[6][1], statuses
+    assert calls == record["num_calls"] == 5
+    assert len(load_store(tmp_path / "run").runs["s0000-p000-g00"]) == 5
 
 
 def test_commands_past_max_steps_are_refused(engine, tmp_path):

@@ -27,14 +27,15 @@ def drives_itself(env) -> bool:
 
 async def run_driven(*, env, task, run_id: str, gateway, gateway_url: str,
                      max_tokens: int | None, temperature: float | None,
-                     run_seed: int | None, log_path: Path) -> dict[str, Any]:
+                     run_seed: int | None, log_path: Path,
+                     max_calls: int | None = None) -> dict[str, Any]:
     record: dict[str, Any] = {"run_id": run_id, "task_id": task.task_id, "reward": 0.0,
                               "status": "failed", "num_calls": 0, "num_compactions": 0,
                               "error": None, "t_start": time.time()}
     kw = {} if run_seed is None else {"run_seed": run_seed}
     try:
         await env.reset(task_id=task.task_id, seed=task.seed, **kw)
-        key = gateway.open_run(run_id)  # revoked by end_run when the run ends
+        key = gateway.open_run(run_id, max_calls=max_calls)  # revoked by end_run at its end
         result = await env.drive(base_url=f"{gateway_url}/runs/{run_id}/v1", api_key=key,
                                  model=gateway.model_name, log_path=log_path,
                                  max_tokens=max_tokens, temperature=temperature)

@@ -267,7 +267,7 @@ async def _stop(proc) -> None:
 
 
 async def run_scaffold(runner: ScaffoldRunner, *, env, task, run_id: str, gateway,
-                       run_seed: int | None) -> dict[str, Any]:
+                       run_seed: int | None, max_calls: int | None = None) -> dict[str, Any]:
     """One run of `task` with the scaffold; its run record (as the agent loop's) plus
     "scaffold" {status, exit_code, log}. The environment is the caller's to close."""
     t_start = time.time()
@@ -279,7 +279,7 @@ async def run_scaffold(runner: ScaffoldRunner, *, env, task, run_id: str, gatewa
     except Exception as exc:  # noqa: BLE001 - an env failure ends the run, not the job
         record.update(error=f"environment error: {type(exc).__name__}: {exc}", t_end=time.time())
         return record
-    key = gateway.open_run(run_id)
+    key = gateway.open_run(run_id, max_calls=max_calls)
     gateway.attach_exec(run_id, env.execute)
     try:
         proc, log_path = await runner.start(run_id, key, instruction)

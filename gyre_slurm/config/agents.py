@@ -56,11 +56,19 @@ class GatewayConfig:
         None, "max_tokens of a request naming none (null: the room left in the context)")
     external: ExternalRunsConfig = key(factory=ExternalRunsConfig,
                                        help=ExternalRunsConfig.__doc__)
+    max_calls_per_run: int = key(
+        2000, "model calls (choices) a run of a scaffold or a verifiers environment may "
+              "make; past it the gateway answers 429 (the built-in loop stops at "
+              "agent.max_turns)")
 
     def __post_init__(self) -> None:
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise FieldError("default_max_tokens", f"must be >= 1 or null, got "
                              f"{self.default_max_tokens}")
+        if self.max_calls_per_run < 1:
+            raise FieldError("max_calls_per_run", f"must be >= 1, got {self.max_calls_per_run}")
+        at_most("max_calls_per_run", self.max_calls_per_run, 2**31 - 1,
+                "the call store's call numbers are int32")
 
 
 SCAFFOLD_TYPES = ("builtin", "command", "mini-swe-agent")

@@ -25,7 +25,9 @@ the recorded output ids. Errors: `{"error": {message, type, code}}` with 400 (ma
 JSON or fields, n over 16, prompt too long, ...), 401, 404, 413 (body over 4 MiB), 502
 (the engine failed; the message names the server), 503 (no server within
 `wait_for_server_s`); also 409 (a call to a run that ended meanwhile, or an ended
-external run) and 429 (too many external runs).
+external run) and 429 (too many external runs, or a run past the model calls
+`open_run(max_calls=)` gave it: `gateway.max_calls_per_run` for scaffolds and verifiers
+environments).
 
 - Streaming (`stream: true`): Server-Sent Events in OpenAI's chunk format (chat: a
   role chunk, one content chunk per token, or with tool calls one content chunk and one

@@ -137,11 +137,12 @@ class Gateway:
         answered none yet: whether it was added in the last `new_grace_s`)."""
         return self.router.answered_within(server_id, seconds, new_grace_s=new_grace_s)
 
-    def open_run(self, run_id: str) -> str:
-        """A run of the job starts: its own key (valid on its URL until `end_run`)."""
+    def open_run(self, run_id: str, *, max_calls: int | None = None) -> str:
+        """A run of the job starts: its own key (valid on its URL until `end_run`); past
+        `max_calls` model calls (choices, recorded or in flight) it is answered 429."""
         if not RUN_ID.match(run_id):
             raise ValueError(f"run id {run_id!r}: use 1-200 of A-Z a-z 0-9 _ . : @ + -")
-        return self.runs.open(run_id, now=time.monotonic())
+        return self.runs.open(run_id, now=time.monotonic(), max_calls=max_calls)
 
     def end_run(self, run_id: str) -> None:
         """The run is over: its key is revoked and everything kept for it is freed."""
@@ -408,12 +409,19 @@ class Gateway:
         """`n` generations on the run's server, answered and recorded (consecutive call
         numbers, in choice order); any failure fails the request and records nothing."""
         run: RunState = request[RUN]
+        made = self._calls.get(run.run_id, 0) + run.reserved
+        if run.max_calls is not None and made + sampling.n > run.max_calls:
+            raise HttpError(429, f"run {run.run_id!r} has made {made} model calls of the "
+                            f"{run.max_calls} it may (gateway.max_calls_per_run): end the "
+                            f"run", "insufficient_quota")
         run.in_flight += 1
+        run.reserved += sampling.n
         run.t_last = time.monotonic()
         try:
             results, server = await self._results(run, prompt_ids, sampling)
         finally:
             run.in_flight -= 1
+            run.reserved -= sampling.n
             run.t_last = time.monotonic()
         if self.runs.runs.get(run.run_id) is not run:
             raise HttpError(409, f"run {run.run_id!r} ended while this call ran: not recorded")

@@ -54,6 +54,8 @@ class RunState:
     in_flight: int = 0
     server_errors: int = 0  # calls failed by a rollout server (502/503)
     ending: bool = False  # an external run past its time: ends when its calls are done
+    max_calls: int | None = None  # model calls (choices) it may make, recorded or in flight
+    reserved: int = 0  # choices of its calls in flight
 
 
 class Refused(Exception):
@@ -70,13 +72,15 @@ class RunRegistry:
     runs: dict[str, RunState] = field(default_factory=dict)
     ended: OrderedDict = field(default_factory=OrderedDict)  # external tombstones
 
-    def open(self, run_id: str, *, now: float) -> str:
-        """A job run starts: its new key (replacing any earlier one of that id)."""
+    def open(self, run_id: str, *, now: float, max_calls: int | None = None) -> str:
+        """A job run starts: its new key (replacing any earlier one of that id); at most
+        `max_calls` model calls (None: no limit here)."""
         if self.is_external_id(run_id):
             raise ValueError(f"run id {run_id!r} carries the external prefix "
                              f"{self.external.prefix!r}")
         key = KEY_PREFIX + secrets.token_urlsafe(32)
-        self.runs[run_id] = RunState(run_id, f"Bearer {key}".encode(), False, now, now)
+        self.runs[run_id] = RunState(run_id, f"Bearer {key}".encode(), False, now, now,
+                                     max_calls=max_calls)
         return key
 
     def end(self, run_id: str) -> RunState | None:

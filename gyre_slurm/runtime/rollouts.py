@@ -215,10 +215,12 @@ class RolloutManager:
                 env=env, task=task, run_id=run_id, gateway=self.gateway,
                 gateway_url=self.gateway_url, max_tokens=agent.max_tokens,
                 temperature=agent.temperature, run_seed=run_seed,
-                log_path=self.rd.path / "logs" / f"env-{run_id}.log")
+                log_path=self.rd.path / "logs" / f"env-{run_id}.log",
+                max_calls=self.cfg.gateway.max_calls_per_run)
         elif scaffold is not None:
             record = await run_scaffold(scaffold, env=env, task=task, run_id=run_id,
-                                        gateway=self.gateway, run_seed=run_seed)
+                                        gateway=self.gateway, run_seed=run_seed,
+                                        max_calls=self.cfg.gateway.max_calls_per_run)
         else:
             result = await run_agent(
                 base_url=f"{self.gateway_url}/runs/{run_id}/v1",
