@@ -183,6 +183,15 @@ def test_a_scaffold_that_fills_its_home_is_stopped(engine, tmp_path):
     assert record["status"] == "failed", record
     assert "held more than agent.scaffold.disk_mb = 16 MiB" in record["error"], record
     assert time.monotonic() - t0 < 60 and record["reward"] == 0.0
+    flood = "import sys\nwhile True:\n    sys.stdout.write('y' * 65536)"  # its log
+    spec = ScaffoldConfig(type="command", command=("python3", "-c", flood), timeout_s=120,
+                          disk_mb=16)
+    t0 = time.monotonic()
+    record, _, _, _ = scaffold_run(engine, tmp_path / "loud", spec)
+    assert record["status"] == "failed", record
+    assert time.monotonic() - t0 < 60
+    log = Path(record["scaffold"]["log"])  # no file of it past disk_mb: RLIMIT_FSIZE
+    assert log.stat().st_size <= (16 << 20) + 4096, log.stat().st_size
     spec = ScaffoldConfig(type="command", command=("python3", "-c", "open('a', 'wb').write("
                                                    "b'x' * (1 << 20))"), disk_mb=16)
     record, _, _, _ = scaffold_run(engine, tmp_path / "fits", spec)

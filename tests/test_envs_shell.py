@@ -193,6 +193,9 @@ def test_disk_usage_counts_blocks_inodes_once_and_stops_at_its_cap(tmp_path):
     got = disk_usage(tmp_path, cap=1 << 40)
     assert 100_000 <= got <= 100_000 + 8 * BLOCK + 65536, got
     assert disk_usage(tmp_path, cap=BLOCK) > BLOCK  # stopped once past the cap
+    # files as roots (a log), counted once with a tree holding them; a missing root is 0
+    assert disk_usage(tmp_path / "a", tmp_path / "missing", cap=1 << 40) >= 100_000
+    assert disk_usage(tmp_path, tmp_path / "a", cap=1 << 40) == got
 
 
 # Run from a checkout (argv[1]: a world-writable host dir in it, argv[2]: a file name): a

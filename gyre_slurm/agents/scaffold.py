@@ -193,7 +193,7 @@ class ScaffoldRunner:
             argv += drop_argv(self.uid)
         mib = 1 << 20
         argv += ["prlimit", f"--as={self.spec.memory_mb * mib}", f"--nproc={self.spec.nproc}",
-                 f"--fsize={1024 * mib}", "--core=0", "--",
+                 f"--fsize={min(1024, self.spec.disk_mb) * mib}", "--core=0", "--",
                  self.python, f"{OPT_GYRE}/{RELAY}", "--port", str(SANDBOX_PORT),
                  "--socket", f"{RUN_SOCKET}/{self.socket_path.name}", "--", *command]
         return argv, env
@@ -223,8 +223,10 @@ class ScaffoldRunner:
         return proc, log_path
 
     async def wait(self, proc, log_path: Path, home: Path | None = None) -> ScaffoldResult:
-        """Its end, its `timeout_s`, or its home (`home`, when given) past `disk_mb`."""
-        watch = asyncio.create_task(watch_disk(home, self.spec.disk_mb, proc)
+        """Its end, its `timeout_s`, or its home (`home`, when given) and its log (what
+        it prints, on the shared filesystem too) past `disk_mb`."""
+        watch = asyncio.create_task(watch_disk(home, log_path, disk_mb=self.spec.disk_mb,
+                                               proc=proc)
                                     if home is not None else asyncio.Event().wait())
         ended = asyncio.ensure_future(proc.wait())
         try:
@@ -241,8 +243,8 @@ class ScaffoldRunner:
             watch.cancel()
         if watch.done() and not watch.cancelled() and watch.result():  # home over disk_mb
             await _stop(proc)
-            return ScaffoldResult("failed", proc.returncode, f"the scaffold's home {home} "
-                                  f"held more than agent.scaffold.disk_mb = "
+            return ScaffoldResult("failed", proc.returncode, f"the scaffold's home {home} and "
+                                  f"its log {log_path} held more than agent.scaffold.disk_mb = "
                                   f"{self.spec.disk_mb} MiB and it was stopped", str(log_path))
         code = await ended
         if code == 0:

@@ -112,7 +112,8 @@ class Limits:
     def prlimit_argv(self) -> list[str]:
         mib = 1 << 20
         return ["prlimit", f"--cpu={self.cpu_s}:{self.cpu_s + 1}",
-                f"--as={self.memory_mb * mib}", f"--fsize={self.fsize_mb * mib}",
+                f"--as={self.memory_mb * mib}",
+                f"--fsize={min(self.fsize_mb, self.disk_mb) * mib}",  # no file past the budget
                 f"--nproc={self.nproc}", "--core=0", "--"]
 
 
@@ -128,12 +129,23 @@ BLOCK = 4096  # the least a file or folder is counted for (an inode and a block)
 DISK_POLL_S = 0.5  # the disk budget's check while a command runs (longer if a check is slow)
 
 
-def disk_usage(root: Path, *, cap: int) -> int:
-    """Bytes `root`'s tree takes (its blocks, each entry at least BLOCK, each inode
-    once), counted until past `cap` (then a number > cap: the walk stops there, so a
-    tree of a million files costs no more than the budget's worth of entries). A folder
-    the sandbox made unreadable to its owner is made readable again (it is ours)."""
-    total, seen, stack = 0, set(), [str(root)]
+def disk_usage(*roots: Path, cap: int) -> int:
+    """Bytes the trees of `roots` take (their blocks, each entry at least BLOCK, each
+    inode once; a root may be a file: a log), counted until past `cap` (then a number >
+    cap: the walk stops there, so a tree of a million files costs no more than the
+    budget's worth of entries). A folder the sandbox made unreadable to its owner is
+    made readable again (it is ours)."""
+    total, seen, stack = 0, set(), []
+    for root in roots:
+        try:
+            st = os.stat(root, follow_symlinks=False)
+        except OSError:  # not made yet, or gone
+            continue
+        if os.path.isdir(root) and not os.path.islink(root):
+            stack.append(str(root))
+        elif (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += max(st.st_blocks * 512, BLOCK)
     while stack:
         path = stack.pop()
         try:
@@ -163,18 +175,18 @@ def disk_usage(root: Path, *, cap: int) -> int:
     return total
 
 
-async def over_disk(root: Path, disk_mb: int) -> bool:
-    """Whether `root`'s tree holds more than `disk_mb` (`disk_usage`, in a thread)."""
+async def over_disk(*roots: Path, disk_mb: int) -> bool:
+    """Whether `roots` hold more than `disk_mb` (`disk_usage`, in a thread)."""
     cap = disk_mb << 20
-    return await asyncio.to_thread(disk_usage, root, cap=cap) > cap
+    return await asyncio.to_thread(disk_usage, *roots, cap=cap) > cap
 
 
-async def watch_disk(root: Path, disk_mb: int, proc) -> bool:
-    """True once `root` holds more than `disk_mb` while `proc` runs (checked every
+async def watch_disk(*roots: Path, disk_mb: int, proc) -> bool:
+    """True once `roots` hold more than `disk_mb` while `proc` runs (checked every
     DISK_POLL_S, or four times as long as a check took); False when `proc` ended first."""
     while proc.returncode is None:
         t0 = time.monotonic()
-        if await over_disk(root, disk_mb):
+        if await over_disk(*roots, disk_mb=disk_mb):
             return True
         await asyncio.sleep(max(DISK_POLL_S, 4 * (time.monotonic() - t0)))
     return False
@@ -405,11 +417,11 @@ class Sandbox:
                              elapsed_s=time.monotonic() - t0)
 
     async def _over_disk(self) -> bool:
-        return await over_disk(self.workdir, self.limits.disk_mb)
+        return await over_disk(self.workdir, disk_mb=self.limits.disk_mb)
 
     async def _watch_disk(self, proc, full: asyncio.Event) -> None:
         """Kill the command once the workdir holds more than `disk_mb`."""
-        if await watch_disk(self.workdir, self.limits.disk_mb, proc):
+        if await watch_disk(self.workdir, disk_mb=self.limits.disk_mb, proc=proc):
             full.set()
             _kill_group(proc)
 
