@@ -28,6 +28,9 @@ class TrainingConfig:
                 "whole, right-padded")
     max_per_run: int = key(5, "K: trajectories kept per run (the prefix tree's paths)")
     checkpoint_every_steps: int = key(1, "a checkpoint after every this many steps")
+    keep_checkpoints: int = key(
+        3, "the newest this many checkpoints stay (and the weights files of their "
+           "versions); older ones are removed once a newer one is written; 0: every one")
     node_tokens_per_s: float = key(
         2_000.0, "trained tokens/s of one node: the simulator's speed and the policy's "
                  "prior (with trainer.pace, also the pace real training is held to)")
@@ -44,7 +47,8 @@ class TrainingConfig:
         if not 0.0 < self.scaling_efficiency <= 1.0:
             raise FieldError("scaling_efficiency",
                              f"must be in (0, 1], got {self.scaling_efficiency}")
-        all_positive(self, ("max_staleness", "optimizer_step_s"), allow_zero=True)
+        all_positive(self, ("max_staleness", "optimizer_step_s", "keep_checkpoints"),
+                     allow_zero=True)
 
     def throughput(self, nodes: int) -> float:
         """Trained tokens/s of a world of `nodes` nodes, as the simulator and the

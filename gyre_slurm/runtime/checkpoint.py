@@ -70,15 +70,17 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 STATE_NAMES = ("trainer.pt", "trainer")
 STEP_NAME = re.compile(r"^step_(\d{6,})$")
+WEIGHTS_NAME = re.compile(r"^v(\d{6,})$")
 LOW_SPACE_BYTES = 16 << 20  # a checkpoint write that failed with less left: disk full
 
 
 # -- writing ---------------------------------------------------------------------------
 async def save(*, rd: RunDir, world: TrainWorld, version: int, config_name: str,
-               node: int | None = None, weight_sync: str = "file") -> None:
+               node: int | None = None, weight_sync: str = "file", keep: int = 0) -> None:
     """Checkpoint policy `version`, the state `world` trains (`node`: the member that
     writes a replicated trainer's state; default the world's first). `weight_sync`:
-    the run's rollout.weight_sync (streamed: no weights file goes with the state)."""
+    the run's rollout.weight_sync (streamed: no weights file goes with the state).
+    `keep` > 0: then only the newest `keep` checkpoints stay (`prune`)."""
     name = f"step_{version:06d}"
     final = rd.checkpoints / name
     tmp = rd.checkpoints / f".tmp-{name}"
@@ -104,6 +106,42 @@ async def save(*, rd: RunDir, world: TrainWorld, version: int, config_name: str,
         raise _explain_save_failure(rd, name, tmp, exc, free) from exc
     rd.event("checkpoint", version=version, path=str(final),
              seconds=time.monotonic() - t0, bytes=manifest_bytes(manifest))
+    if keep > 0:
+        removed = await asyncio.to_thread(prune, rd.path, keep=keep)
+        if removed:
+            rd.event("checkpoints_pruned", kept=keep, removed=removed)
+
+
+def prune(run_dir: Path, *, keep: int) -> list[str]:
+    """Keep the newest `keep` checkpoints (never the one `latest` names) and the weights
+    files the job may still read: the initial ones (v0), those of the kept checkpoints
+    (a resume loads them) and every version from the newest kept checkpoint's on (what
+    the servers load now). Each goes by an atomic rename to `.old-NAME` first, so a
+    crash part-way leaves nothing a resume could take for whole (`.old-*` left by one
+    is removed by the next prune). The names removed."""
+    checkpoints, weights = Path(run_dir) / "checkpoints", Path(run_dir) / "weights"
+    steps = sorted((p for p in checkpoints.glob("step_*") if STEP_NAME.match(p.name)),
+                   key=lambda p: int(p.name[5:]), reverse=True)
+    latest = _read_latest_name(checkpoints)
+    kept = list(steps[:keep]) + [p for p in steps[keep:] if p.name == latest]
+    doomed = [p for p in steps[keep:] if p.name != latest]
+    versions = {int(p.name[5:]) for p in kept}
+    if versions and weights.is_dir():
+        newest = max(versions)
+        doomed += [p for p in weights.glob("v*") if WEIGHTS_NAME.match(p.name)
+                   and (v := int(p.name[1:])) != 0 and v not in versions and v < newest]
+    removed = []
+    for path in doomed:
+        aside = path.with_name(f".old-{path.name}")
+        try:
+            os.replace(path, aside)
+        except OSError:
+            continue
+        removed.append(f"{path.parent.name}/{path.name}")
+    for folder in (checkpoints, weights):
+        for aside in folder.glob(".old-*"):
+            shutil.rmtree(aside, ignore_errors=True)
+    return removed
 
 
 def _explain_save_failure(rd: RunDir, name: str, tmp: Path, exc: Exception,

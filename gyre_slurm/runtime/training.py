@@ -238,8 +238,12 @@ class TrainingLoop:
                                           reason=f"streamed weight sync failed: {why}")
 
     async def checkpoint(self) -> None:
-        """After every `training.checkpoint_every_steps` steps, and after the last."""
+        """After every `training.checkpoint_every_steps` steps, and after the last; the
+        older ones beyond `training.keep_checkpoints` go, except while steps in a row
+        train nothing: the checkpoints from before a divergence are what a resume needs
+        (`check_progress` names them)."""
         book, cfg = self.job.book, self.job.cfg
         if book.version % cfg.training.checkpoint_every_steps == 0 or book.done():
             await checkpoint.save(rd=self.job.rd, world=self.world, version=book.version,
-                                  config_name=cfg.name, weight_sync=cfg.rollout.weight_sync)
+                                  config_name=cfg.name, weight_sync=cfg.rollout.weight_sync,
+                                  keep=0 if self.skipped else cfg.training.keep_checkpoints)

@@ -1,0 +1,64 @@
+"""Checkpoint retention: a job of days writes a checkpoint (model and optimizer state)
+and, with `rollout.weight_sync: file`, a weights folder every step; all were kept, so a
+long run filled its filesystem. `training.keep_checkpoints` (3) keeps the newest few and
+the weights files the job may still read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from runtime_checks import check_run_dir
+from test_runtime_e2e import FAST, gyre_run
+
+from gyre_slurm.runtime import checkpoint
+
+
+def _fake_run(root: Path, versions: range, latest: int) -> Path:
+    for v in versions:
+        (root / "checkpoints" / f"step_{v:06d}").mkdir(parents=True)
+        (root / "checkpoints" / f"step_{v:06d}" / "trainer.pt").write_bytes(b"x" * 100)
+    for v in [0, *versions]:
+        (root / "weights" / f"v{v:06d}").mkdir(parents=True)
+    (root / "checkpoints" / "latest").write_text(f"step_{latest:06d}")
+    return root
+
+
+def _names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_prune_keeps_the_newest_latest_and_the_weights_they_need(tmp_path):
+    run = _fake_run(tmp_path / "a", range(1, 7), latest=6)
+    (run / "weights" / ".old-v000002").mkdir()  # left by a prune a crash stopped
+    removed = checkpoint.prune(run, keep=3)
+    assert _names(run / "checkpoints") == ["latest", "step_000004", "step_000005",
+                                           "step_000006"]
+    assert _names(run / "weights") == ["v000000", "v000004", "v000005", "v000006"]
+    assert sorted(removed) == ["checkpoints/step_000001", "checkpoints/step_000002",
+                               "checkpoints/step_000003", "weights/v000001",
+                               "weights/v000002", "weights/v000003"]
+    # `latest` fell back to an older one (a resume found the newer ones bad): it stays,
+    # with its weights; versions from the newest kept one on stay (the servers load them)
+    run = _fake_run(tmp_path / "b", range(1, 7), latest=2)
+    (run / "weights" / "v000007").mkdir()
+    checkpoint.prune(run, keep=2)
+    assert _names(run / "checkpoints") == ["latest", "step_000002", "step_000005",
+                                           "step_000006"]
+    assert _names(run / "weights") == ["v000000", "v000002", "v000005", "v000006", "v000007"]
+
+
+def test_a_long_run_keeps_its_newest_checkpoints_and_resumes_from_them(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = gyre_run(run_dir, *FAST, "workload.num_steps=5", "cluster.num_nodes=2",
+                    "training.keep_checkpoints=2")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert _names(run_dir / "checkpoints") == ["latest", "step_000004", "step_000005"]
+    assert _names(run_dir / "weights") == ["v000000", "v000004", "v000005"]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    pruned = [e for e in events if e["kind"] == "checkpoints_pruned"]
+    assert pruned and pruned[-1]["removed"] == ["checkpoints/step_000003", "weights/v000003"]
+    proc = gyre_run(run_dir, "workload.num_steps=7", resume=True)  # two more steps
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert _names(run_dir / "checkpoints") == ["latest", "step_000006", "step_000007"]
+    check_run_dir(run_dir, num_steps=7)  # every run trained once, steps in order
