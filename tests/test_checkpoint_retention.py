@@ -29,23 +29,23 @@ def _names(folder: Path) -> list[str]:
 
 
 def test_prune_keeps_the_newest_latest_and_the_weights_they_need(tmp_path):
-    run = _fake_run(tmp_path / "a", range(1, 7), latest=6)
+    run = _fake_run(tmp_path / "a", range(1, 9), latest=8)
     (run / "weights" / ".old-v000002").mkdir()  # left by a prune a crash stopped
-    removed = checkpoint.prune(run, keep=3)
-    assert _names(run / "checkpoints") == ["latest", "step_000004", "step_000005",
-                                           "step_000006"]
-    assert _names(run / "weights") == ["v000000", "v000004", "v000005", "v000006"]
-    assert sorted(removed) == ["checkpoints/step_000001", "checkpoints/step_000002",
-                               "checkpoints/step_000003", "weights/v000001",
-                               "weights/v000002", "weights/v000003"]
+    removed = checkpoint.prune(run, keep=2)
+    assert _names(run / "checkpoints") == ["latest", "step_000007", "step_000008"]
+    # v6: two versions below the newest, what a server that began to start then reads
+    assert _names(run / "weights") == ["v000000", "v000006", "v000007", "v000008"]
+    assert sorted(removed) == [f"checkpoints/step_00000{v}" for v in range(1, 7)] + \
+        [f"weights/v00000{v}" for v in range(1, 6)]
     # `latest` fell back to an older one (a resume found the newer ones bad): it stays,
     # with its weights; versions from the newest kept one on stay (the servers load them)
-    run = _fake_run(tmp_path / "b", range(1, 7), latest=2)
-    (run / "weights" / "v000007").mkdir()
+    run = _fake_run(tmp_path / "b", range(1, 9), latest=2)
+    (run / "weights" / "v000009").mkdir()
     checkpoint.prune(run, keep=2)
-    assert _names(run / "checkpoints") == ["latest", "step_000002", "step_000005",
-                                           "step_000006"]
-    assert _names(run / "weights") == ["v000000", "v000002", "v000005", "v000006", "v000007"]
+    assert _names(run / "checkpoints") == ["latest", "step_000002", "step_000007",
+                                           "step_000008"]
+    assert _names(run / "weights") == ["v000000", "v000002", "v000006", "v000007",
+                                       "v000008", "v000009"]
 
 
 def test_a_long_run_keeps_its_newest_checkpoints_and_resumes_from_them(tmp_path):
@@ -54,10 +54,13 @@ def test_a_long_run_keeps_its_newest_checkpoints_and_resumes_from_them(tmp_path)
                     "training.keep_checkpoints=2")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert _names(run_dir / "checkpoints") == ["latest", "step_000004", "step_000005"]
-    assert _names(run_dir / "weights") == ["v000000", "v000004", "v000005"]
+    # (weights: v0, and from two versions below the newest checkpoint on)
+    assert _names(run_dir / "weights") == ["v000000", "v000003", "v000004", "v000005"]
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    pruned = [e for e in events if e["kind"] == "checkpoints_pruned"]
-    assert pruned and pruned[-1]["removed"] == ["checkpoints/step_000003", "weights/v000003"]
+    pruned = [e["removed"] for e in events if e["kind"] == "checkpoints_pruned"]
+    assert pruned == [["checkpoints/step_000001"],
+                      ["checkpoints/step_000002", "weights/v000001"],
+                      ["checkpoints/step_000003", "weights/v000002"]], pruned
     proc = gyre_run(run_dir, "workload.num_steps=7", resume=True)  # two more steps
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert _names(run_dir / "checkpoints") == ["latest", "step_000006", "step_000007"]

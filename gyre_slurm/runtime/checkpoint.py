@@ -71,6 +71,7 @@ MANIFEST = "manifest.json"
 STATE_NAMES = ("trainer.pt", "trainer")
 STEP_NAME = re.compile(r"^step_(\d{6,})$")
 WEIGHTS_NAME = re.compile(r"^v(\d{6,})$")
+WEIGHTS_MARGIN = 2  # weights of versions this close below the newest checkpoint stay
 LOW_SPACE_BYTES = 16 << 20  # a checkpoint write that failed with less left: disk full
 
 
@@ -115,8 +116,9 @@ async def save(*, rd: RunDir, world: TrainWorld, version: int, config_name: str,
 def prune(run_dir: Path, *, keep: int) -> list[str]:
     """Keep the newest `keep` checkpoints (never the one `latest` names) and the weights
     files the job may still read: the initial ones (v0), those of the kept checkpoints
-    (a resume loads them) and every version from the newest kept checkpoint's on (what
-    the servers load now). Each goes by an atomic rename to `.old-NAME` first, so a
+    (a resume loads them) and every version from WEIGHTS_MARGIN before the newest kept
+    checkpoint's on (what the servers load now, and what a server that began to start
+    a step or two ago may still be reading). Each goes by an atomic rename to `.old-NAME` first, so a
     crash part-way leaves nothing a resume could take for whole (`.old-*` left by one
     is removed by the next prune). The names removed."""
     checkpoints, weights = Path(run_dir) / "checkpoints", Path(run_dir) / "weights"
@@ -129,7 +131,8 @@ def prune(run_dir: Path, *, keep: int) -> list[str]:
     if versions and weights.is_dir():
         newest = max(versions)
         doomed += [p for p in weights.glob("v*") if WEIGHTS_NAME.match(p.name)
-                   and (v := int(p.name[1:])) != 0 and v not in versions and v < newest]
+                   and (v := int(p.name[1:])) != 0 and v not in versions
+                   and v < newest - WEIGHTS_MARGIN]
     removed = []
     for path in doomed:
         aside = path.with_name(f".old-{path.name}")
