@@ -180,6 +180,30 @@ def test_a_command_that_fills_the_workdir_is_killed_and_scores_nothing(command, 
     assert time.monotonic() - t0 < 30 and not workdir.exists()
 
 
+def test_the_disk_budget_is_on_top_of_the_task_s_own_files(tmp_path):
+    """A task whose files alone pass `disk_mb` (a large repository) still runs: the
+    budget is what its commands may add."""
+    task = tmp_path / "tasks" / "big-repo"
+    (task / "tests").mkdir(parents=True)
+    (task / "files").mkdir()
+    (task / "files" / "blob.bin").write_bytes(os.urandom(3 << 20))
+    (task / "task.yaml").write_text("instruction: look\ntest_command: 'true'\ntests: [t]\n")
+
+    async def main():
+        env = make_env("shell", tasks_dir=str(tmp_path / "tasks"), disk_mb=2, fsize_mb=2)
+        await env.reset(task_id="shell/big-repo/0", seed=0)
+        try:
+            small = await env.step(reply("head -c 1M /dev/zero > more && ls -s"))
+            big = await env.step(reply("head -c 1M /dev/zero > more2; head -c 1M "
+                                       "/dev/zero > more3"))
+        finally:
+            await env.close()
+        return small, big
+    small, big = run(main())
+    assert not small.done and small.info["limit"] is None, small.info
+    assert big.done and big.info["limit"] == "disk", big.info
+
+
 def test_disk_usage_counts_blocks_inodes_once_and_stops_at_its_cap(tmp_path):
     from gyre_slurm.envs.sandbox import BLOCK, disk_usage
 

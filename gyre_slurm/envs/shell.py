@@ -30,9 +30,10 @@ just `submit` ends the episode.
 The episode ends (done=True), and is scored, on: `submit` (end_reason "submit"),
 the `max_steps`-th reply (end_reason "max_steps"), or a command that exceeds a limit
 (end_reason "limit", `info["limit"]` in "time" | "cpu" | "memory" | "fsize" |
-"output" | "disk"; the observation says which; "disk": the workdir holds more than
-`disk_mb`, 1024 by default: a task whose files need more must raise it). Scoring copies the tests in, runs
-`test_command` in the same sandbox with the same limits, and reads the lines
+"output" | "disk"; the observation says which; "disk": the commands added more than
+`disk_mb`, 1024 by default, to the task's own files in the workdir). Scoring copies
+the tests in, runs `test_command` in the same sandbox with the same limits, and reads
+the lines
 `PASS <name>` / `FAIL <name>` (anything may follow a colon) that it writes to the
 descriptor named by $GYRE_RESULTS_FD (a pipe of its own: `gyre_runner.py` does this; a
 task's own test command must too), never its output, which the code under test shares:
@@ -60,7 +61,7 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,7 @@ from gyre_slurm.common.fsio import loads_json
 from gyre_slurm.common.yamltext import read_text, read_yaml, text_problem
 from gyre_slurm.envs.base import StepResult, register_env
 from gyre_slurm.envs.sandbox import (
-    ISOLATIONS, Limits, Sandbox, default_sandbox_uid, ensure_bwrap)
+    ISOLATIONS, Limits, Sandbox, default_sandbox_uid, disk_usage, ensure_bwrap)
 from gyre_slurm.errors import CommandRefused, UserError
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
@@ -225,7 +226,10 @@ class ShellEnv:
             shutil.copytree(self._task.root / "files", self.workdir, dirs_exist_ok=True,
                             symlinks=True)
         _chown_tree(self.workdir, self.uid if self.isolation == "bwrap" else os.geteuid())
-        self._sandbox = Sandbox(self.workdir, limits=self.limits, isolation=self.isolation,
+        # disk_mb is what the commands may add: the task's own files come on top
+        own_mb = -(-disk_usage(self.workdir, cap=1 << 60) // (1 << 20))
+        limits = replace(self.limits, disk_mb=self.limits.disk_mb + own_mb)
+        self._sandbox = Sandbox(self.workdir, limits=limits, isolation=self.isolation,
                                 sandbox_uid=self.uid, image=self._task.image,
                                 hide_paths=(str(base.resolve()), str(self.tasks_dir.resolve())))
         self._steps, self._done = 0, False
