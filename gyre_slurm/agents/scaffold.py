@@ -24,8 +24,9 @@ The scaffold's sandbox (bubblewrap, `isolation: bwrap`):
 - processes: private PID/IPC/UTS namespaces, uid nobody when started by root, no
   capabilities, a clean environment (OPENAI_BASE_URL, OPENAI_API_KEY = the run's key,
   GYRE_RUN_ID, GYRE_EXEC_URL, GYRE_TASK, the config's `env`), limits on address space,
-  processes and file size, and everything it started dies with it; its home holds at
-  most `disk_mb` (checked while it runs: past it the scaffold is stopped).
+  processes and file size, and everything it started dies with it; its home and its
+  log hold at most `disk_mb` together (checked while it runs: past it the scaffold is
+  stopped).
 `isolation: none` runs the scaffold as a plain process (trusted programs only): it can
 read whatever the job's user can, the job secret included.
 """

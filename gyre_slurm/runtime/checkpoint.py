@@ -118,12 +118,11 @@ def prune(run_dir: Path, *, keep: int) -> list[str]:
     files the job may still read: the initial ones (v0), those of the kept checkpoints
     (a resume loads them) and every version from WEIGHTS_MARGIN before the newest kept
     checkpoint's on (what the servers load now, and what a server that began to start
-    a step or two ago may still be reading). Each goes by an atomic rename to `.old-NAME` first, so a
-    crash part-way leaves nothing a resume could take for whole (`.old-*` left by one
-    is removed by the next prune). The names removed."""
+    a step or two ago may still be reading). Each goes by an atomic rename to
+    `.old-NAME` first, so a crash part-way leaves nothing a resume could take for whole
+    (`.old-*` left by one is removed by the next prune). The names removed."""
     checkpoints, weights = Path(run_dir) / "checkpoints", Path(run_dir) / "weights"
-    steps = sorted((p for p in checkpoints.glob("step_*") if STEP_NAME.match(p.name)),
-                   key=lambda p: int(p.name[5:]), reverse=True)
+    steps = _steps_newest_first(checkpoints)
     latest = _read_latest_name(checkpoints)
     kept = list(steps[:keep]) + [p for p in steps[keep:] if p.name == latest]
     doomed = [p for p in steps[keep:] if p.name != latest]
@@ -264,6 +263,11 @@ def _verify_manifest(ckpt: Path) -> bool:
     return True
 
 
+def _steps_newest_first(checkpoints: Path) -> list[Path]:
+    return sorted((p for p in checkpoints.glob("step_*") if STEP_NAME.match(p.name)),
+                  key=lambda p: int(p.name[5:]), reverse=True)
+
+
 def _read_latest_name(checkpoints: Path) -> str | None:
     try:
         name = (checkpoints / "latest").read_bytes().decode().strip()
@@ -290,8 +294,7 @@ def choose_checkpoint(run_dir: Path) -> Choice:
     if latest is None and latest_file.exists():
         raw = latest_file.read_bytes()[:80]
         latest_raw = f"{latest_file} is garbled ({raw!r}): it names no step_NNNNNN"
-    steps = sorted((p for p in checkpoints.glob("step_*") if STEP_NAME.match(p.name)),
-                   key=lambda p: int(p.name[5:]), reverse=True)
+    steps = _steps_newest_first(checkpoints)
     order = ([checkpoints / latest] if latest else []) + \
         [p for p in steps if p.name != latest]
     rejected = []
