@@ -350,6 +350,35 @@ def test_a_model_path_the_job_cannot_use_leaves_no_run_behind(gyre, tmp_path):
     assert [p.name for p in model.iterdir()] == ["config.json"]
 
 
+def test_a_base_model_is_refused_for_chat_agents_and_taken_for_a_command(gyre, tmp_path):
+    """A model without a chat template (a base model): the built-in agent chats, so `gyre
+    run` refuses it before any process starts, saying so; with a scaffold of type command
+    (which may call /v1/completions) the model is taken (the run is refused later, for
+    a scaffold on an environment that cannot drive one, so that nothing runs here)."""
+    import json
+
+    from gyre_slurm.models import tiny
+
+    model = tiny.make_model_dir(tmp_path / "hf", family="llama")
+    tiny.save_weights_into(tiny.new_model(model, seed=0), model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    run_dir = tmp_path / "run"
+    proc = gyre("run", "configs/tiny.yaml", "--run-dir", str(run_dir), "--set",
+                f"model.path={model}", check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert f"model.path {model}: its tokenizer has no chat template" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert [p.name for p in run_dir.iterdir()] == ["logs"]
+    proc = gyre("run", "configs/tiny.yaml", "--run-dir", str(run_dir), "--set",
+                f"model.path={model}", "--set", "agent.scaffold.type=command", "--set",
+                "agent.scaffold.command=[/no/such/scaffold]", check=False)
+    assert "chat template" not in proc.stderr, proc.stderr
+    assert "cannot be driven by an external scaffold" in proc.stderr, proc.stderr
+
+
 def test_make_folder_makes_the_folder_and_its_parents(tmp_path):
     from gyre_slurm.common.fsio import make_folder
 

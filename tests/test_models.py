@@ -293,3 +293,130 @@ def test_a_checkpoint_of_another_model_is_refused_at_import(tmp_path):
         import_model_dir(src, tmp_path / "run" / "model", tmp_path / "run" / "w0",
                          layout=(1, 1, 1))
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("config,weights,message", [
+    ({"hidden_size": 128}, None,
+     r"model.embed_tokens.weight is \[512, 64\], the config says \[512, 128\]"),
+    ({"vocab_size": 256}, None, r"lm_head.weight is \[512, 64\], the config says \[256, 64\]"),
+    ({"num_key_value_heads": 2}, None, r"k_proj.weight is \[64, 64\], the config says \[32, 64\]"),
+    ({"num_hidden_layers": 1}, None, r"18 tensor\(s\) the model does not have|9 tensor\(s\) "
+                                     r"the model does not have, e.g. \['model.layers.1."),
+    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, None,
+     r"\(GPT2LMHeadModel, .*tensor\(s\) missing, e.g. \['transformer.wte.weight'"),
+    ({"hidden_act": "no-such-activation"}, None,
+     "config.json does not describe a model transformers can build .*no-such-activation"),
+    ({"rope_scaling": {"rope_type": "no-such-rope", "factor": 2.0}}, None,
+     "config.json does not describe a model transformers can build .*no-such-rope"),
+    ({"model_type": "no-such-model", "architectures": []}, None,
+     "config.json does not describe a model transformers can build .*no-such-model"),
+    ({}, "drop lm_head", r"1 tensor\(s\) missing, e.g. \['lm_head.weight'\]"),
+    ({}, "add a tensor", r"1 tensor\(s\) the model does not have, e.g. \['model.extra.weight'\]"),
+    ({}, "int8 lm_head", "lm_head.weight is I8"),
+])
+def test_weights_the_torch_trainer_cannot_load_are_refused_at_import(tmp_path, config,
+                                                                     weights, message):
+    """model.path with the torch trainer (no Megatron layout to check against): the
+    checkpoint must be exactly the model transformers builds from its config.json, each
+    tensor of its shape and a floating dtype. Before, a config edited without its weights,
+    weights of another model, an unknown activation or rope type each passed the import
+    and failed every training rank's first load with a traceback (the job's exit 1)."""
+    from safetensors.torch import load_file, save_file
+
+    from gyre_slurm.models.weights import import_model_dir
+
+    src = tiny.make_model_dir(tmp_path / "hf", family="llama", hidden_size=64, num_heads=4)
+    tiny.save_weights_into(tiny.new_model(src, seed=0), src)
+    import_model_dir(src, tmp_path / "ok" / "model", tmp_path / "ok" / "w0")  # as made: fits
+    data = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**data, **config}))
+    if weights:
+        state = load_file(str(src / "model.safetensors"))
+        if weights == "drop lm_head":
+            del state["lm_head.weight"]
+        elif weights == "add a tensor":
+            state["model.extra.weight"] = torch.zeros(3)
+        else:
+            state["lm_head.weight"] = state["lm_head.weight"].to(torch.int8)
+        save_file(state, str(src / "model.safetensors"))
+    with pytest.raises(ValueError, match=message):
+        import_model_dir(src, tmp_path / "run" / "model", tmp_path / "run" / "w0")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_tied_embeddings_are_one_tensor_in_checkpoints_loads_and_streams(family, tmp_path):
+    """tie_word_embeddings (most small published models: the output layer is the input
+    embedding): the checkpoint holds model.embed_tokens.weight and no lm_head.weight, as
+    transformers writes it and vLLM reads it. It imports, loads with the two names one
+    parameter, and every write of the policy (published weights, the stream's pieces)
+    names it once; before, the import passed, the load failed on the missing
+    lm_head.weight, and a tied model's first publish failed in safetensors (one tensor,
+    two names). A checkpoint that also holds lm_head.weight imports if it is the
+    embedding's copy and is refused if not (vLLM would serve it, untied)."""
+    from safetensors.torch import load_file, save_file
+
+    from gyre_slurm.models.weights import import_model_dir
+
+    src = tiny.make_model_dir(tmp_path / "hf", family=family, hidden_size=64, num_heads=4)
+    data = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**data, "tie_word_embeddings": True}))
+    model = tiny.new_model(src, seed=0)
+    assert tiny.tied_weights(model) == {"lm_head.weight": "model.embed_tokens.weight"}
+    tiny.save_weights_into(model, src)
+    saved = load_file(str(src / "model.safetensors"))
+    assert "lm_head.weight" not in saved and "model.embed_tokens.weight" in saved
+    import_model_dir(src, tmp_path / "run" / "model", tmp_path / "run" / "w0")
+    again = tiny.new_model(tmp_path / "run" / "model", seed=1)
+    tiny.load_weights(again, tmp_path / "run" / "w0")
+    assert again.lm_head.weight is again.model.embed_tokens.weight
+    assert torch.equal(again.lm_head.weight, model.model.embed_tokens.weight)
+    assert "lm_head.weight" not in tiny.checkpoint_state(again)
+    tiny.save_weights(again, tmp_path / "v1")  # a publish
+    assert set(load_file(str(tmp_path / "v1" / "model.safetensors"))) == set(saved)
+    # a checkpoint may also hold the tied copy (equal): it imports and loads as one
+    saved["lm_head.weight"] = saved["model.embed_tokens.weight"].clone()
+    save_file(saved, str(src / "model.safetensors"))
+    import_model_dir(src, tmp_path / "run2" / "model", tmp_path / "run2" / "w0")
+    third = tiny.new_model(src, seed=2)
+    tiny.load_weights(third, src)
+    assert torch.equal(third.lm_head.weight, model.model.embed_tokens.weight)
+    # a copy of other values: vLLM would serve it untied while the trainer trains the
+    # embedding, and no update would reach it
+    saved["lm_head.weight"] = torch.zeros_like(saved["model.embed_tokens.weight"])
+    save_file(saved, str(src / "model.safetensors"))
+    with pytest.raises(ValueError, match="ties lm_head.weight to model.embed_tokens.weight "
+                                         "\\(tie_word_embeddings\\) but the checkpoint holds"):
+        import_model_dir(src, tmp_path / "run3" / "model", tmp_path / "run3" / "w0")
+    assert not (tmp_path / "run3").exists()
+
+
+@pytest.mark.parametrize("template,message", [
+    (None, "its tokenizer has no chat template, and the agents' model calls are chat "
+           "completions"),
+    ("{% for m in messages %}{{ m['content'] }", "its chat template does not render a "
+                                                 "user's message .*TemplateSyntaxError"),
+    ("{{ raise_exception('this template takes no user turns') }}",
+     "does not render a user's message .*this template takes no user turns"),
+])
+def test_a_chat_template_that_cannot_render_is_refused_where_agents_chat(tmp_path, template,
+                                                                          message):
+    """Every agent but a `command` scaffold calls /chat/completions, which the gateway
+    renders with the model's chat template: a base model (none) or a template that
+    fails refused every call of every run (400) until the job stopped for steps that
+    trained nothing. Refused at import for chat; a completions-only import takes it."""
+    from gyre_slurm.models.weights import import_model_dir
+
+    src = tiny.make_model_dir(tmp_path / "hf", family="llama")
+    tiny.save_weights_into(tiny.new_model(src, seed=0), src)
+    import_model_dir(src, tmp_path / "ok" / "model", tmp_path / "ok" / "w0", chat=True)
+    (src / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    if template is not None:
+        config["chat_template"] = template
+    (src / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        import_model_dir(src, tmp_path / "run" / "model", tmp_path / "run" / "w0", chat=True)
+    assert not (tmp_path / "run").exists()
+    import_model_dir(src, tmp_path / "raw" / "model", tmp_path / "raw" / "w0")

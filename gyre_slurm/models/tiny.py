@@ -155,7 +155,17 @@ def checkpoint_state(model) -> dict:
     calls) does the unfusing. Models without such layers come back unchanged."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    return revert_weight_conversion(model, dict(model.state_dict()))
+    tied = tied_weights(model)
+    return revert_weight_conversion(model, {k: v for k, v in model.state_dict().items()
+                                            if k not in tied})
+
+
+def tied_weights(model) -> dict[str, str]:
+    """{name: the name it is tied to} of a model's tied weights (`tie_word_embeddings`:
+    lm_head.weight is model.embed_tokens.weight, as in most small published models).
+    A checkpoint stores only the second name, as transformers and vLLM write and read
+    it; safetensors refuses to write one tensor under two names."""
+    return dict(getattr(model, "all_tied_weights_keys", None) or {})
 
 
 _FUSED_EXPERTS = ".mlp.experts.gate_up_proj"
@@ -168,6 +178,12 @@ def model_state(model, state: dict) -> dict:
     import torch
 
     out = dict(state)
+    for target, source in tied_weights(model).items():
+        # one tensor, the source's values (a checkpoint may hold the target too: the
+        # import took it only as the source's copy, `_check_tied_copies`)
+        out.pop(target, None)
+        if source in out:
+            out[target] = out[source]
     for key, value in model.state_dict().items():
         if not key.endswith(_FUSED_EXPERTS):
             continue
@@ -274,6 +290,68 @@ def check_weights_fit(shape, weights_dir: str | Path) -> None:
         raise CorruptWeights(f"{weights_dir}: the weights are not the model its config.json "
                              f"describes ({shape.family}, hidden {shape.hidden_size}, "
                              f"{shape.num_layers} layers): " + "; ".join(problems))
+
+
+def check_weights_build(model_dir: str | Path) -> None:
+    """ValueError unless the torch trainer and the embedded engine can build the model
+    `model_dir`'s config.json describes (transformers' own class for it) and its
+    checkpoint holds exactly that model's tensors, each of its shape and a floating
+    dtype (a tied weight's copy may be there or not). Built on the meta device: no
+    memory, no tensor read. Before, a config edited without its weights, an unknown
+    activation or rope type, or a checkpoint of another model failed each training
+    rank's first load with a traceback, after every process had started."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    headers = weight_headers(model_dir)
+    try:
+        config = AutoConfig.from_pretrained(str(model_dir))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        want = {k: tuple(v.shape) for k, v in checkpoint_state(model).items()}
+    except Exception as exc:  # noqa: BLE001 - an outside file: any failure is the config's
+        raise ValueError(f"{model_dir}/config.json does not describe a model transformers "
+                         f"can build ({type(exc).__name__}: {str(exc)[:400]}); fix the "
+                         f"key it names, or give the model's published config.json") from None
+    tied = set(tied_weights(model))
+    missing = [n for n in want if n not in headers]
+    extra = [n for n in headers if n not in want and n not in tied]
+    wrong = [f"{n} is {headers[n].get('shape')}, the config says {list(s)}"
+             for n, s in want.items() if n in headers
+             and headers[n].get("shape") != list(s)]
+    not_float = [f"{n} is {headers[n].get('dtype')}" for n in want
+                 if n in headers and headers[n].get("dtype") not in FLOAT_DTYPES]
+    problems = ([f"{len(missing)} tensor(s) missing, e.g. {missing[:3]}"] if missing else []) \
+        + ([f"{len(extra)} tensor(s) the model does not have, e.g. {extra[:3]}"]
+           if extra else []) + wrong[:3] + not_float[:3]
+    if not problems:
+        _check_tied_copies(model_dir, {t: s for t, s in tied_weights(model).items()
+                                       if t in headers and s in headers})
+    if problems:
+        raise CorruptWeights(f"{model_dir}: the weights are not the model its config.json "
+                             f"describes ({type(model).__name__}, hidden "
+                             f"{getattr(config, 'hidden_size', '?')}, "
+                             f"{getattr(config, 'num_hidden_layers', '?')} layers): "
+                             + "; ".join(problems))
+
+
+def _check_tied_copies(model_dir: str | Path, pairs: dict[str, str]) -> None:
+    """CorruptWeights if a checkpoint whose config ties `target` to `source` also holds
+    a `target` of other values: the trainer (one tensor) would train the source while
+    vLLM serves the checkpoint's own target (it unties them then), and no update would
+    ever reach it. (Tied models are the small ones: the two tensors are read.)"""
+    import torch
+
+    from gyre_slurm.models.weights import HFWeights
+
+    weights = HFWeights(model_dir)
+    for target, source in pairs.items():
+        if not torch.equal(weights[target], weights[source]):
+            raise CorruptWeights(
+                f"{model_dir}: config.json ties {target} to {source} (tie_word_embeddings) "
+                f"but the checkpoint holds a {target} of its own, with other values: set "
+                f"tie_word_embeddings to false to train it as its own layer, or remove "
+                f"{target} from the checkpoint to tie them")
 
 
 def _verify_file(path: Path) -> dict[str, dict]:

@@ -91,17 +91,37 @@ def is_weight_file(name: str) -> bool:
         or name.endswith(".bin.index.json")
 
 
-def _check_tokenizer(src: Path, *, what: str = "model.path") -> None:
+def _check_tokenizer(src: Path, *, what: str = "model.path", chat: bool = False) -> None:
     """ValueError unless `src`'s tokenizer loads (as vLLM and the gateway will load it): a
-    garbled tokenizer.json would otherwise fail every engine start on every cell."""
+    garbled tokenizer.json would otherwise fail every engine start on every cell. `chat`:
+    its chat template must also render a user's message (the agents call
+    /chat/completions, which the gateway renders with it): a base model has none, and
+    every call of every run was refused (400) until the job stopped for steps that
+    trained nothing."""
     try:
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(str(src))
+        tokenizer = AutoTokenizer.from_pretrained(str(src))
     except Exception as exc:  # noqa: BLE001 - a loader of outside files: any failure is the file's
         raise ValueError(f"{what} {src}: its tokenizer (with the config.json "
                          f"transformers reads for it) does not load "
                          f"({type(exc).__name__}: {str(exc)[:500]})") from None
+    if not chat:
+        return
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{what} {src}: its tokenizer has no chat template, and the "
+                         f"agents' model calls are chat completions: give an instruct "
+                         f"(chat) model, or add its template (chat_template.jinja, or "
+                         f"chat_template in tokenizer_config.json); a scaffold of type "
+                         f"command may call /v1/completions instead")
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hello"}],
+                                      add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - the template is outside input (jinja code)
+        raise ValueError(f"{what} {src}: its chat template does not render a user's "
+                         f"message ({type(exc).__name__}: {str(exc)[:300]}): fix "
+                         f"chat_template (chat_template.jinja or tokenizer_config.json)"
+                         ) from None
 
 
 def check_model_files(src: str | Path, *, what: str = "model.path",
@@ -130,13 +150,14 @@ def check_model_files(src: str | Path, *, what: str = "model.path",
 
 
 def import_model_dir(src: str | Path, model_dir: str | Path, weights_dir: str | Path, *,
-                     layout: tuple[int, int, int] | None = None) -> dict:
+                     layout: tuple[int, int, int] | None = None, chat: bool = False) -> dict:
     """Start a run from a Hugging Face model directory `src` without copying it: the run's
     `model_dir` gets links to its config, tokenizer and other small files, `weights_dir`
     (the policy's version 0) links to its safetensors weights (one file, or the shards
     and their index). Each directory is made aside and renamed into place. `src` must
     be on a filesystem every node sees. `layout`: (TP, PP, EP) the Megatron trainer will
-    split the model over, checked first (its family and shape, `ModelShape`). Returns
+    split the model over, checked first (its family and shape, `ModelShape`); `chat`:
+    the agents make chat calls, so its chat template must render. Returns
     {"files": n, "weights": n}; ValueError saying what `src` lacks."""
     import os
 
@@ -149,15 +170,16 @@ def import_model_dir(src: str | Path, model_dir: str | Path, weights_dir: str | 
         shape = ModelShape.from_model_dir(src)
         shape.check_layout(*layout)
     weights = weight_files(src)  # ValueError if there are none
-    from gyre_slurm.models.tiny import check_weights_fit, verify_weights
+    from gyre_slurm.models.tiny import check_weights_build, check_weights_fit
 
-    # whole files and the index's tensors in its shards (headers only); for the Megatron
-    # trainer, which converts them, also each tensor as the config says (the same read)
+    # whole files and the index's tensors in its shards (headers only), each tensor as
+    # the config says: for the Megatron trainer, which converts them, in its terms; for
+    # the torch trainer, the model transformers builds from the config
     if shape is None:
-        verify_weights(src)
+        check_weights_build(src)
     else:
         check_weights_fit(shape, src)
-    _check_tokenizer(src)
+    _check_tokenizer(src, chat=chat)
     shards = sorted({p.name for p in weights.values()})
     if (src / INDEX).is_file():
         shards.append(INDEX)

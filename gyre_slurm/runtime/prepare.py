@@ -64,12 +64,16 @@ class RunDirSetup:
         if model.path is not None:  # a Hugging Face model dir: linked, not copied
             from gyre_slurm.models.weights import import_model_dir
 
-            tr = self.cfg.trainer
+            tr, agent = self.cfg.trainer, self.cfg.agent
+            # every agent but a scaffold of type command (which may call /v1/completions)
+            # calls /chat/completions: the model needs a chat template that renders
+            chat = any(s.type != "command"
+                       for s in (agent.scaffold, *agent.scaffold_per_task.values()))
             try:
                 import_model_dir(model.path, self.rd.model_dir, tiny.weights_dir(self.rd.path, 0),
                                  layout=(tr.tensor_parallel, tr.pipeline_parallel,
                                          tr.expert_parallel)
-                                 if tr.backend == "megatron" else None)
+                                 if tr.backend == "megatron" else None, chat=chat)
             except ValueError as exc:
                 raise UserError(str(exc)) from None
             return
