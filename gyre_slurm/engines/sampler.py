@@ -149,8 +149,10 @@ class Sampler:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _load(self, weights: Path, version: int) -> int:
-        if not (weights / tiny.WEIGHTS_FILE).is_file():
-            raise BadRequest(f"no {tiny.WEIGHTS_FILE} in {weights}")
+        from gyre_slurm.models.weights import INDEX, has_weights
+
+        if not has_weights(weights):  # one file, or shards and their index (model.path)
+            raise BadRequest(f"no {tiny.WEIGHTS_FILE} or {INDEX} in {weights}")
         model = self.model if self.model is not None else tiny.new_model(self.model_dir)
         tiny.load_weights(model, weights)
         model.eval()

@@ -302,7 +302,8 @@ def vllm_command(*, python: str, serve_dir: str | Path, host: str, port: int,
            "--generation-config", "vllm", "--disable-uvicorn-access-log",
            "--middleware", "gyre_slurm.engines.vllm_guard.GuardAll",
            # streamed weight sync: gyre's engine in vLLM's weight-transfer framework (the
-           # extension's module also installs vllm_cpu_moe's fix of MoE reloads on CPU)
+           # extension's module also installs the fixes of MoE and tied-embedding
+           # reloads on CPU, vllm_cpu_moe and vllm_cpu_tied)
            "--worker-extension-cls", "gyre_slurm.engines.vllm_wsync.GyreWorkerExtension",
            "--weight-transfer-config", '{"backend": "gyre"}']
     if tensor_parallel > 1:

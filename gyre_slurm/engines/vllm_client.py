@@ -169,8 +169,10 @@ class VllmClient(EngineClient):
     async def _reload(self, path: str | Path, version: int) -> None:
         """Paused engine: load `path` in place and label it `version`."""
         weights = Path(path)
-        if not (weights / tiny.WEIGHTS_FILE).is_file():
-            raise EngineError(f"no {tiny.WEIGHTS_FILE} in {weights}", status=400,
+        from gyre_slurm.models.weights import INDEX, has_weights
+
+        if not has_weights(weights):  # one file, or shards and their index (model.path)
+            raise EngineError(f"no {tiny.WEIGHTS_FILE} or {INDEX} in {weights}", status=400,
                               base_url=self.base_url)
         await self._call("POST", "/collective_rpc", {
             "method": "reload_weights", "kwargs": {"weights_path": str(weights)}})

@@ -46,6 +46,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from gyre_slurm.engines import vllm_cpu_moe  # noqa: F401  (installs its fix)
+from gyre_slurm.engines import vllm_cpu_tied  # noqa: F401  (installs its fix)
 from gyre_slurm.train.wsync import stream
 from gyre_slurm.train.wsync.endpoint import Endpoint, wire_device
 
