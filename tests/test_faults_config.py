@@ -213,6 +213,29 @@ def test_node_agents_that_do_not_register_in_time_are_named_with_their_logs(gyre
     assert "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_a_training_world_that_cannot_start_ends_the_job_saying_why(tmp_path):
+    """A rank that fails as the first world is built (here gloo told to use a network
+    interface the node lacks, as a cluster's `GLOO_SOCKET_IFNAME` copied to another
+    machine does): exit 1 with the rank's own error and where the logs are, one line,
+    no traceback; before, the coordinator's traceback with the agent's answer as a
+    Python dict, the rank's traceback escaped inside it."""
+    import sys
+
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="nosuchif0")
+    proc = subprocess.run([sys.executable, "-m", "gyre_slurm", "run", str(TINY), "--run-dir",
+                           str(run_dir), "--set", "workload.num_steps=2"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "gyre run: failed: the job's first layout did not start: http://" in proc.stderr
+    assert "/cmd/join: RankError: training rank pid " in proc.stderr
+    assert "Unable to find address for: nosuchif0. " in proc.stderr, proc.stderr[-3000:]
+    assert f"output are in the node agents' logs, {run_dir / 'logs'}" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("trainer-node*.log"))
+    assert "Traceback" in logs and "nosuchif0" in logs  # the rank's, for whoever debugs it
+
+
 def test_gyre_submit_refuses_before_sbatch(gyre, bad_config, tmp_path):
     run_dir = tmp_path / "run"
     proc = gyre("submit", str(bad_config), "--run-dir", str(run_dir), check=False)

@@ -115,7 +115,9 @@ class ControlClient:
                         else self.base_url
                     raise AgentRefused(f"{where} ({path}): {body.get('error')}")
                 if resp.status != 200:
-                    raise CommandError(f"{self.base_url}{path}: {resp.status} {body}")
+                    error = body.get("error") if isinstance(body, dict) else None
+                    raise CommandError(f"{self.base_url}{path}: {resp.status} {body}",
+                                       error=error if isinstance(error, str) else None)
                 return body
         except aiohttp.ClientConnectionError as exc:
             raise AgentUnreachable(f"{self.base_url}{path}: unreachable ({exc})",
@@ -128,7 +130,12 @@ class ControlClient:
 
 
 class CommandError(RuntimeError):
-    """A node agent refused or failed a command."""
+    """A node agent refused or failed a command; `error`: what the agent said failed
+    (its answer's text, the rank's or server's traceback after it), when it said."""
+
+    def __init__(self, message: str, *, error: str | None = None):
+        super().__init__(message)
+        self.error = error
 
 
 USER_ERROR_STATUS = 422  # a node agent's command failed on a UserError (a file to fix)

@@ -50,7 +50,7 @@ from gyre_slurm.errors import JobFailed, UserError
 from gyre_slurm.models import tiny
 from gyre_slurm.runtime import checkpoint
 from gyre_slurm.runtime.book import StepBook
-from gyre_slurm.runtime.control import AgentUnreachable
+from gyre_slurm.runtime.control import AgentUnreachable, CommandError
 from gyre_slurm.runtime.handoff import Handoffs
 from gyre_slurm.runtime.job import JobState
 from gyre_slurm.runtime.launcher import make_launcher
@@ -73,6 +73,10 @@ log = logging.getLogger(__name__)
 
 class AgentLost(JobFailed):
     """A node agent stopped answering."""
+
+
+class LayoutFailed(JobFailed):
+    """The first layout's servers or training world did not start."""
 
 
 class Coordinator:
@@ -332,8 +336,24 @@ class Coordinator:
                                                 build_world())
             return {**timings, "standby_s": standby_s, "standby_cells": standby}
 
-        started, timings = await both(self.handoffs.start_engines(rollout), standby_and_world())
-        await self.handoffs.connect_engines(rollout, started)
+        try:
+            started, timings = await both(self.handoffs.start_engines(rollout),
+                                          standby_and_world())
+            await self.handoffs.connect_engines(rollout, started)
+        except CommandError as exc:  # a rank or server that did not start: say which, why
+            if isinstance(exc, UserError):
+                raise
+            why = str(exc)
+            said = getattr(exc, "error", None)
+            if said:  # "URL/cmd/...: " the agent's words, a traceback's last line for one
+                head, _, trace = said.partition("\nTraceback")
+                last = trace.strip().splitlines()[-1].strip() if trace.strip() else ""
+                why = (why.split(" ", 1)[0] + " " + head.strip().rstrip(":")
+                       + (f" ({last})" if last and last not in head else ""))
+            raise LayoutFailed(
+                f"the job's first layout did not start: {why[:2000]}. The tracebacks and "
+                f"the ranks' and servers' output are in the node agents' logs, "
+                f"{self.rd.path / 'logs'}") from exc
         self.rd.event("layout", roles=[c.role.value for c in self.table.cells], **timings)
 
     # -- the policy loop -----------------------------------------------------------------
