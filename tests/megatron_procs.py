@@ -162,18 +162,26 @@ VOCAB = 300  # not a multiple of 128: Megatron pads the vocabulary, the export c
 MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 
-def make_test_model(root: Path, family: str, *, seed: int):
+def make_test_model(root: Path, family: str, *, seed: int, tied: bool = False):
     """(model_dir, weights_dir, transformers model) of a tiny `family` model: 2 layers, 4
     heads of 16, 2 KV heads (GQA); qwen3_moe: 8 experts of 32, top-2. Norms and biases
     are perturbed so that a mix-up shows, and the router is sharpened so that float
-    noise between engines never flips a token's top-2 experts."""
+    noise between engines never flips a token's top-2 experts. `tied`: with
+    tie_word_embeddings (its checkpoint without lm_head.weight)."""
+    import json
+
     import torch
 
     from gyre_slurm.models import tiny
 
-    model_dir = tiny.make_model_dir(root / family, family=family, vocab_size=VOCAB,
+    key = f"{family}_tied" if tied else family
+    model_dir = tiny.make_model_dir(root / key, family=family, vocab_size=VOCAB,
                                     hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                                     max_positions=128, num_experts=8, experts_per_token=2)
+    if tied:
+        config = json.loads((model_dir / "config.json").read_text())
+        (model_dir / "config.json").write_text(json.dumps({**config,
+                                                           "tie_word_embeddings": True}))
     model = tiny.new_model(model_dir, seed=seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -181,7 +189,7 @@ def make_test_model(root: Path, family: str, *, seed: int):
                 p.add_(torch.randn_like(p) * 0.1)
             if name.endswith("mlp.gate.weight"):
                 p.mul_(40.0)
-    return model_dir, tiny.save_weights(model, root / f"{family}-w0"), model
+    return model_dir, tiny.save_weights(model, root / f"{key}-w0"), model
 
 
 class ClusterPool:

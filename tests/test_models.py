@@ -35,8 +35,26 @@ def test_shape_of_a_real_qwen3_moe_config():
         s.check_layout(1, 1, 3)
 
 
+def test_shape_of_a_tied_model_counts_its_embedding_once():
+    """Qwen3-0.6B's published config (tie_word_embeddings): "0.6B parameters, 0.44B
+    non-embedding"; its checkpoint has no lm_head.weight."""
+    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+              "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+              "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+              "head_dim": 128, "rope_theta": 1000000, "rms_norm_eps": 1e-06,
+              "max_position_embeddings": 40960, "tie_word_embeddings": True}
+    s = ModelShape.from_config(config)
+    assert s.tied_embeddings
+    n = s.num_params()
+    assert 0.59e9 < n["total"] < 0.61e9, n
+    assert 0.43e9 < n["total"] - n["embedding"] < 0.45e9, n
+    assert "lm_head.weight" not in s.hf_tensor_shapes()
+    untied = ModelShape.from_config({**config, "tie_word_embeddings": False})
+    assert untied.num_params()["total"] - n["total"] == 151936 * 1024
+    assert "lm_head.weight" in untied.hf_tensor_shapes()
+
+
 @pytest.mark.parametrize("change,key", [
-    ({"tie_word_embeddings": True}, "tie_word_embeddings"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
     ({"mlp_only_layers": [0, 1]}, "mlp_only_layers"),
     ({"decoder_sparse_step": 2}, "decoder_sparse_step"),
@@ -385,10 +403,12 @@ def test_tied_embeddings_are_one_tensor_in_checkpoints_loads_and_streams(family,
     # embedding, and no update would reach it
     saved["lm_head.weight"] = torch.zeros_like(saved["model.embed_tokens.weight"])
     save_file(saved, str(src / "model.safetensors"))
-    with pytest.raises(ValueError, match="ties lm_head.weight to model.embed_tokens.weight "
-                                         "\\(tie_word_embeddings\\) but the checkpoint holds"):
-        import_model_dir(src, tmp_path / "run3" / "model", tmp_path / "run3" / "w0")
-    assert not (tmp_path / "run3").exists()
+    for layout in (None, (1, 1, 1)):  # the torch trainer's check, and Megatron's
+        with pytest.raises(ValueError, match="ties lm_head.weight to model.embed_tokens.weight"
+                                             " \\(tie_word_embeddings\\) but the checkpoint"):
+            import_model_dir(src, tmp_path / "run3" / "model", tmp_path / "run3" / "w0",
+                             layout=layout)
+        assert not (tmp_path / "run3").exists()
 
 
 @pytest.mark.parametrize("template,message", [

@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import itertools
+import json
 import threading
 
 import numpy as np
@@ -107,10 +108,15 @@ def megatron_senders(procs):
 
 @pytest.fixture
 def run(tmp_path):
-    def make(family):
+    def make(family):  # FAMILY_tied: with tie_word_embeddings
         run_dir = tmp_path / family
-        model_dir = tiny.make_model_dir(run_dir / "model", family=family, hidden_size=128,
-                                        num_heads=4, num_kv_heads=2, max_positions=512)
+        model_dir = tiny.make_model_dir(run_dir / "model", family=family.removesuffix("_tied"),
+                                        hidden_size=128, num_heads=4, num_kv_heads=2,
+                                        max_positions=512)
+        if family.endswith("_tied"):
+            config = json.loads((model_dir / "config.json").read_text())
+            (model_dir / "config.json").write_text(json.dumps({**config,
+                                                               "tie_word_embeddings": True}))
         model = tiny.new_model(model_dir, seed=0)
         for name, p in model.named_parameters():  # qwen3_moe: a sharp router, so that
             if name.endswith("mlp.gate.weight"):  # float noise never flips a top-2
@@ -164,7 +170,7 @@ def test_embedded_engine_takes_a_streamed_policy_and_refuses_a_stale_one(run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", sorted(set(FAMILIES.values())))
+@pytest.mark.parametrize("family", sorted(set(FAMILIES.values())) + ["qwen2_tied"])
 def test_vllm_synced_by_streaming_gives_the_trainers_logprobs(run, tmp_path, family,
                                                              vllm_python, megatron_python):
     run_dir, model_dir, secret = run(family)

@@ -11,9 +11,11 @@ Families (`FAMILIES`, by `architectures` or `model_type`):
 | qwen3_moe | Qwen3MoeForCausalLM   | qwen3 + a mixture of experts in every layer (top-k  |
 |           |                       | softmax router, no shared expert)                   |
 
-A config this code cannot train faithfully (tied embeddings, rope scaling, biases on
-the output projection, dense layers among MoE ones, shared experts) is refused with the
-key that says so, rather than trained as another model.
+A config this code cannot train faithfully (rope scaling, biases on the output
+projection, dense layers among MoE ones, shared experts) is refused with the key that
+says so, rather than trained as another model. Tied embeddings (`tie_word_embeddings`)
+are one tensor, `model.embed_tokens.weight`, in checkpoints and in Megatron
+(`share_embeddings_and_output_weights`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class ModelShape:
     moe_top_k: int = 0  # experts per token
     moe_ffn_hidden_size: int = 0  # one expert's intermediate size
     norm_topk_prob: bool = True  # renormalise the top-k routing weights
+    tied_embeddings: bool = False  # tie_word_embeddings: the output layer is the embedding
 
     @property
     def qkv_bias(self) -> bool:
@@ -121,7 +124,8 @@ class ModelShape:
                    num_experts=_num_experts(cfg, source) if moe else 0,
                    moe_top_k=num.int("num_experts_per_tok") if moe else 0,
                    moe_ffn_hidden_size=num.int("moe_intermediate_size") if moe else 0,
-                   norm_topk_prob=num.bool("norm_topk_prob", default=True))
+                   norm_topk_prob=num.bool("norm_topk_prob", default=True),
+                   tied_embeddings=num.bool("tie_word_embeddings", default=False))
 
     def check_layout(self, tp_size: int, pp_size: int, ep_size: int = 1) -> None:
         """ValueError unless this model can be split over TP x PP (x EP for experts)."""
@@ -151,7 +155,9 @@ class ModelShape:
         h, d, v = self.hidden_size, self.head_dim, self.vocab_size
         q, kv = self.num_heads * d, self.num_kv_heads * d
         out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h),
-                                           "lm_head.weight": (v, h), "model.norm.weight": (h,)}
+                                           "model.norm.weight": (h,)}
+        if not self.tied_embeddings:  # tied: the checkpoint names the tensor once
+            out["lm_head.weight"] = (v, h)
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             out.update({p + "input_layernorm.weight": (h,),
@@ -192,7 +198,7 @@ class ModelShape:
             mlp_dense = self.num_experts * h  # the router
         else:
             expert, mlp_dense = 0, 3 * h * self.ffn_hidden_size
-        embedding = 2 * self.vocab_size * h
+        embedding = (1 if self.tied_embeddings else 2) * self.vocab_size * h
         dense = self.num_layers * (attn + norms + mlp_dense) + h + embedding
         expert *= self.num_layers
         return {"total": dense + expert, "expert": expert, "dense": dense,
@@ -263,9 +269,6 @@ def _refuse_unsupported(cfg: dict, family: str, source: str) -> None:
     def refuse(key: str, why: str) -> None:
         raise ValueError(f"{source}: {key} = {cfg.get(key)!r}: {why}")
 
-    if cfg.get("tie_word_embeddings", False):
-        refuse("tie_word_embeddings", "tied input and output embeddings are not supported "
-               "(the checkpoint needs its own lm_head.weight)")
     scaling = cfg.get("rope_scaling") or None
     if scaling is not None and not isinstance(scaling, dict):
         refuse("rope_scaling", "must be an object (or null)")

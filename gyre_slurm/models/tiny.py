@@ -286,6 +286,8 @@ def check_weights_fit(shape, weights_dir: str | Path) -> None:
                  if n in headers and headers[n].get("dtype") not in FLOAT_DTYPES]
     problems = ([f"{len(missing)} tensor(s) missing, e.g. {missing[:3]}"] if missing else []) \
         + wrong[:3] + not_float[:3]
+    if not problems and shape.tied_embeddings and "lm_head.weight" in headers:
+        _check_tied_copies(weights_dir, {"lm_head.weight": "model.embed_tokens.weight"})
     if problems:
         raise CorruptWeights(f"{weights_dir}: the weights are not the model its config.json "
                              f"describes ({shape.family}, hidden {shape.hidden_size}, "

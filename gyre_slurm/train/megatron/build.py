@@ -157,7 +157,7 @@ def build_core(shape: ModelShape, layout: Layout, *, device: torch.device):
         config=config, transformer_layer_spec=layer_spec(shape, shape.num_layers // layout.pp),
         vocab_size=shape.padded_vocab_size, max_sequence_length=shape.max_positions,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-        parallel_output=False, share_embeddings_and_output_weights=False,
+        parallel_output=False, share_embeddings_and_output_weights=shape.tied_embeddings,
         position_embedding_type="rope", rotary_base=int(shape.rope_theta))
     return model.to(device=device, dtype=layout.dtype)
 

@@ -18,7 +18,9 @@ the Hugging Face tensors, as one table per layer (`layer_rules`):
     ...mlp.experts.local_experts.j.*     mlp.experts.(ep_rank * E / EP + j).* as fc1/fc2
                                          above (expert tensor parallel is 1: whole)
     decoder.final_layernorm.weight       model.norm (last stage)
-    output_layer.weight                  lm_head, vocab padded, rows split over TP
+    output_layer.weight                  lm_head, vocab padded, rows split over TP (tied:
+                                         none with PP 1, the embedding's copy on the last
+                                         stage with PP > 1, never exported)
 
 Pipeline stage p holds global layers [p * L / PP, (p + 1) * L / PP), the embedding on the
 first stage, the final norm and the output layer on the last. The vocabulary is padded
@@ -193,8 +195,13 @@ def hf_to_megatron_shard(hf_state: dict[str, torch.Tensor], shape: ModelShape, *
                     rule, [hf_state[f"{hf}mlp.experts.{e}.{n}"] for n in rule.hf], shape, 0, 1)
     if pp_rank == pp_size - 1:
         out["decoder.final_layernorm.weight"] = hf_state["model.norm.weight"]
-        out["output_layer.weight"] = _chunk(
-            _pad_vocab(hf_state["lm_head.weight"], shape), 0, tp_rank, tp_size)
+        # tied: one stage holds the embedding as its output layer; over PP the last
+        # stage holds a copy of it (Megatron keeps the two equal through its embedding
+        # group), which the checkpoint does not name
+        if not shape.tied_embeddings or pp_size > 1:
+            out["output_layer.weight"] = _chunk(_pad_vocab(hf_state[
+                "model.embed_tokens.weight" if shape.tied_embeddings else "lm_head.weight"],
+                shape), 0, tp_rank, tp_size)
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
@@ -207,8 +214,8 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, shape: ModelShape, *, tp_siz
     them once the TP pieces are joined. KeyError for a name no rule knows."""
     if name == "embedding.word_embeddings.weight":
         return {"model.embed_tokens.weight": (tensor, 0)}
-    if name == "output_layer.weight":
-        return {"lm_head.weight": (tensor, 0)}
+    if name == "output_layer.weight":  # tied: the last stage's copy of the embedding
+        return {} if shape.tied_embeddings else {"lm_head.weight": (tensor, 0)}
     if name == "decoder.final_layernorm.weight":
         return {"model.norm.weight": (tensor, None)}
     m = _LAYER.match(name)
