@@ -11,7 +11,7 @@ the tied weight once, under the embedding, so the embedding is repacked and the 
 keeps the packed copy of the first policy ("tied parameters will only reflect
 processing from one of the parent layers", vLLM's reload module says). Measured with a
 tiny tied Qwen2 and no staleness: the prompt log-probs of the policy just loaded were
-off from the trainer's by 0.07-0.13 on average (1e-7 untied, or on the embedded engine).
+off from the trainer's by 0.04-0.13 on average (1e-7 untied, or on the embedded engine).
 
 `install()` wraps `finalize_layerwise_processing` (the end of every layerwise reload) so
 that afterwards each unquantized LM head whose weight is an embedding's is processed

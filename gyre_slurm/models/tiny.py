@@ -342,6 +342,8 @@ def _check_tied_copies(model_dir: str | Path, pairs: dict[str, str]) -> None:
     a `target` of other values: the trainer (one tensor) would train the source while
     vLLM serves the checkpoint's own target (it unties them then), and no update would
     ever reach it. (Tied models are the small ones: the two tensors are read.)"""
+    if not pairs:
+        return
     import torch
 
     from gyre_slurm.models.weights import HFWeights
