@@ -169,3 +169,24 @@ def test_load_weights_release_resume(engine):
     assert health1["policy_version"] == 1
     assert released["status"] == "released" and status == 503
     assert back["output_ids"] == v0["output_ids"] and back["policy_version"] == 0
+
+
+def test_an_engine_log_tail_keeps_the_start_of_a_line_longer_than_the_tail(tmp_path):
+    """What an engine's failure carries of its log: the last lines, each cut to 400
+    characters. vLLM names its ~300 supported architectures on the line that says the
+    model's is not one: the last 4000 bytes held only the middle of that list."""
+    from gyre_slurm.engines.launcher import log_tail
+
+    log = tmp_path / "engine.log"
+    names = ", ".join(f"'Arch{i}ForCausalLM'" for i in range(600))
+    log.write_text("starting\n" * 2000 + "Traceback (most recent call last):\n"
+                   "ValidationError: 1 validation error for ModelConfig\n"
+                   f"  Value error, Model architectures ['FooForCausalLM'] are not supported "
+                   f"for now. Supported architectures: dict_keys([{names}])\n"
+                   "For further information visit https://errors.pydantic.dev\n")
+    tail = log_tail(log)
+    assert "Model architectures ['FooForCausalLM'] are not supported for now" in tail
+    assert tail.endswith("For further information visit https://errors.pydantic.dev")
+    assert "'Arch599ForCausalLM'" not in tail and " [...]" in tail
+    assert 3000 < len(tail) <= 4400, len(tail)
+    assert log_tail(tmp_path / "none.log") == ""

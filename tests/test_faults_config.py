@@ -236,6 +236,27 @@ def test_a_training_world_that_cannot_start_ends_the_job_saying_why(tmp_path):
     assert "Traceback" in logs and "nosuchif0" in logs  # the rank's, for whoever debugs it
 
 
+def test_a_layout_failure_names_the_exception_a_servers_traceback_ends_with():
+    """An engine's failure carries its log's tail, a traceback in it: the job's line
+    quotes the exception it ends with (vLLM prefixes its lines with the process), not
+    the traceback's frames or its ^^^ markers."""
+    from gyre_slurm.runtime.coordinator import _exception_lines
+
+    trace = ("\n(APIServer pid=7) Traceback (most recent call last):\n"
+             "(APIServer pid=7)   File \"x.py\", line 3, in <module>\n"
+             "(APIServer pid=7)     main()\n(APIServer pid=7)     ^^^^^^\n"
+             "(APIServer pid=7) pydantic_core.ValidationError: 1 validation error for "
+             "ModelConfig\n(APIServer pid=7)   Value error, Model architectures ['Foo'] "
+             "are not supported for now. " + "x" * 500 + "\n"
+             "(APIServer pid=7)     For further information visit https://errors\n"
+             "(APIServer pid=7) [rank0]: shutting down\n")
+    lines = _exception_lines(trace)
+    assert lines[0] == "pydantic_core.ValidationError: 1 validation error for ModelConfig"
+    assert lines[1].startswith("Value error, Model architectures ['Foo'] are not supported")
+    assert len(lines) == 3 and len(lines[1]) == 300
+    assert _exception_lines("  File \"x.py\", line 3\n    ^^^^\n") == []
+
+
 def test_gyre_submit_refuses_before_sbatch(gyre, bad_config, tmp_path):
     run_dir = tmp_path / "run"
     proc = gyre("submit", str(bad_config), "--run-dir", str(run_dir), check=False)

@@ -38,6 +38,27 @@ def write_secret(path: str | Path) -> str:
     return secret
 
 
+def log_tail(path: Path, num_bytes: int = 4000, *, line_chars: int = 400) -> str:
+    """A log's last `num_bytes` or so, each line cut to `line_chars`: a line can be longer
+    than the whole tail (vLLM names its 300 supported architectures on the line that says
+    the model's is not one), and its start is what says why."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * num_bytes))
+            data = f.read()
+    except OSError:
+        return ""
+    lines = [line if len(line) <= line_chars else line[:line_chars] + " [...]"
+             for line in data.decode(errors="replace").splitlines()]
+    out, size = [], 0
+    for line in reversed(lines):
+        size += len(line) + 1
+        if size > num_bytes and out:
+            break
+        out.append(line)
+    return "\n".join(reversed(out))
+
+
 @dataclass
 class EngineProcess:
     """A started engine: its process, log, and (once ready) address."""
@@ -58,11 +79,7 @@ class EngineProcess:
         return self.popen.poll() is None
 
     def log_tail(self, num_bytes: int = 4000) -> str:
-        try:
-            data = self.log_path.read_bytes()
-        except OSError:
-            return ""
-        return data[-num_bytes:].decode(errors="replace")
+        return log_tail(self.log_path, num_bytes)
 
     def wait_ready(self, timeout_s: float, cancel: threading.Event | None = None) -> str:
         """Block until the ready file appears; the base URL. EngineError if the process

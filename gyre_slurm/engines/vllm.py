@@ -84,7 +84,7 @@ from typing import Any
 from gyre_slurm.common.fsio import loads_json
 from gyre_slurm.engines.client import EngineError
 from gyre_slurm.engines.embedded import check_loopback, read_secret
-from gyre_slurm.engines.launcher import PACKAGE_ROOT
+from gyre_slurm.engines.launcher import PACKAGE_ROOT, log_tail
 from gyre_slurm.engines.vllm_client import VllmClient
 from gyre_slurm.errors import UserError
 
@@ -191,12 +191,7 @@ class VllmProcess:
         return group_pids(self.pid)
 
     def log_tail(self, num_bytes: int = 4000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(max(0, f.seek(0, os.SEEK_END) - num_bytes))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
+        return log_tail(self.log_path, num_bytes)
 
     def stop(self, timeout_s: float = 10.0) -> int:
         """SIGTERM (vLLM shuts its engine down), SIGKILL to the whole process group

@@ -79,6 +79,18 @@ class LayoutFailed(JobFailed):
     """The first layout's servers or training world did not start."""
 
 
+def _exception_lines(trace: str, most: int = 3) -> list[str]:
+    """The exception a traceback ends with, its first `most` lines (each at most 300
+    characters; a process's "(Name pid=N) " prefix dropped); [] if it has none."""
+    import re
+
+    lines = [re.sub(r"^\([^)]*\)\s*", "", line.strip()) for line in trace.splitlines()]
+    lines = [line for line in lines if line]
+    starts = [i for i, line in enumerate(lines)
+              if re.match(r"[\w.]*(Error|Exception|Exit|Interrupt)\w*(:|$)", line)]
+    return [line[:300] for line in lines[starts[-1]:starts[-1] + most]] if starts else []
+
+
 class Coordinator:
     def __init__(self, cfg: GyreConfig, run_dir: Path, *, resume: bool = False):
         self.cfg, self.rd, self.resume = cfg, RunDir(run_dir), resume
@@ -345,11 +357,11 @@ class Coordinator:
                 raise
             why = str(exc)
             said = getattr(exc, "error", None)
-            if said:  # "URL/cmd/...: " the agent's words, a traceback's last line for one
+            if said:  # "URL/cmd/...: " the agent's words, and a traceback's exception
                 head, _, trace = said.partition("\nTraceback")
-                last = trace.strip().splitlines()[-1].strip() if trace.strip() else ""
+                last = _exception_lines(trace)
                 why = (why.split(" ", 1)[0] + " " + head.strip().rstrip(":")
-                       + (f" ({last})" if last and last not in head else ""))
+                       + (f" ({' / '.join(last)})" if last and last[0] not in head else ""))
             raise LayoutFailed(
                 f"the job's first layout did not start: {why[:2000]}. The tracebacks and "
                 f"the ranks' and servers' output are in the node agents' logs, "
