@@ -240,7 +240,7 @@ def test_a_layout_failure_names_the_exception_a_servers_traceback_ends_with():
     """An engine's failure carries its log's tail, a traceback in it: the job's line
     quotes the exception it ends with (vLLM prefixes its lines with the process), not
     the traceback's frames or its ^^^ markers."""
-    from gyre_slurm.runtime.coordinator import _exception_lines
+    from gyre_slurm.runtime.coordinator import _exception_lines, _failure_text
 
     trace = ("\n(APIServer pid=7) Traceback (most recent call last):\n"
              "(APIServer pid=7)   File \"x.py\", line 3, in <module>\n"
@@ -250,11 +250,25 @@ def test_a_layout_failure_names_the_exception_a_servers_traceback_ends_with():
              "are not supported for now. " + "x" * 500 + "\n"
              "(APIServer pid=7)     For further information visit https://errors\n"
              "(APIServer pid=7) [rank0]: shutting down\n")
+    assert "(APIServer pid=7) Traceback" in trace
     lines = _exception_lines(trace)
     assert lines[0] == "pydantic_core.ValidationError: 1 validation error for ModelConfig"
     assert lines[1].startswith("Value error, Model architectures ['Foo'] are not supported")
     assert len(lines) == 3 and len(lines[1]) == 300
     assert _exception_lines("  File \"x.py\", line 3\n    ^^^^\n") == []
+    # the whole line: the agent's first line, the exception, not the log's other lines
+    from gyre_slurm.runtime.control import CommandError
+
+    said = ("EngineError: vLLM exited with code 1 before serving; log /r/e.log:\n"
+            "(APIServer pid=7) WARNING the random seed is set to 0\n" * 50 + trace)
+    text = _failure_text(CommandError("http://h:1/cmd/start_engine: 500 {'error': ...}",
+                                      error=said))
+    assert text.startswith("http://h:1/cmd/start_engine: EngineError: vLLM exited with code 1 "
+                           "before serving; log /r/e.log (pydantic_core.ValidationError: 1 "
+                           "validation error for ModelConfig / Value error, Model architectures")
+    assert "WARNING" not in text and len(text) < 1000
+    assert _failure_text(CommandError("http://h:1/cmd/join: 500 boom")) == \
+        "http://h:1/cmd/join: 500 boom"
 
 
 def test_gyre_submit_refuses_before_sbatch(gyre, bad_config, tmp_path):

@@ -440,3 +440,19 @@ def test_a_chat_template_that_cannot_render_is_refused_where_agents_chat(tmp_pat
         import_model_dir(src, tmp_path / "run" / "model", tmp_path / "run" / "w0", chat=True)
     assert not (tmp_path / "run").exists()
     import_model_dir(src, tmp_path / "raw" / "model", tmp_path / "raw" / "w0")
+
+
+def test_a_server_length_beyond_the_models_positions_is_refused_at_import(tmp_path):
+    """rollout.max_model_len (vLLM's --max-model-len) past config.json's
+    max_position_embeddings: vLLM refused to start on every cell, after the job had
+    started (exit 1); now refused at import, saying what to set."""
+    from gyre_slurm.models.weights import import_model_dir
+
+    src = tiny.make_model_dir(tmp_path / "hf", family="llama", max_positions=256)
+    tiny.save_weights_into(tiny.new_model(src, seed=0), src)
+    import_model_dir(src, tmp_path / "ok" / "model", tmp_path / "ok" / "w0", max_model_len=256)
+    with pytest.raises(ValueError, match="rollout.max_model_len = 512 exceeds model.path .* "
+                                         "max_position_embeddings = 256 .* at most 256"):
+        import_model_dir(src, tmp_path / "run" / "model", tmp_path / "run" / "w0",
+                         max_model_len=512)
+    assert not (tmp_path / "run").exists()

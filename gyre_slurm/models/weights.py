@@ -149,15 +149,33 @@ def check_model_files(src: str | Path, *, what: str = "model.path",
         _check_tokenizer(src, what=what)
 
 
+def _check_positions(src: Path, max_model_len: int) -> None:
+    """ValueError if the servers would take sequences longer than the model's positions
+    (config.json's max_position_embeddings): vLLM refuses to start (every cell's server,
+    after the job has started)."""
+    import json
+
+    positions = json.loads((src / "config.json").read_bytes()).get("max_position_embeddings")
+    if isinstance(positions, bool) or not isinstance(positions, int | float):
+        return  # none said: vLLM derives its own limit, or none
+    if max_model_len > positions:
+        raise ValueError(f"rollout.max_model_len = {max_model_len} exceeds model.path {src}'s "
+                         f"max_position_embeddings = {positions:g} (config.json): vLLM "
+                         f"refuses to serve it; set rollout.max_model_len to at most "
+                         f"{positions:g}")
+
+
 def import_model_dir(src: str | Path, model_dir: str | Path, weights_dir: str | Path, *,
-                     layout: tuple[int, int, int] | None = None, chat: bool = False) -> dict:
+                     layout: tuple[int, int, int] | None = None, chat: bool = False,
+                     max_model_len: int | None = None) -> dict:
     """Start a run from a Hugging Face model directory `src` without copying it: the run's
     `model_dir` gets links to its config, tokenizer and other small files, `weights_dir`
     (the policy's version 0) links to its safetensors weights (one file, or the shards
     and their index). Each directory is made aside and renamed into place. `src` must
     be on a filesystem every node sees. `layout`: (TP, PP, EP) the Megatron trainer will
     split the model over, checked first (its family and shape, `ModelShape`); `chat`:
-    the agents make chat calls, so its chat template must render. Returns
+    the agents make chat calls, so its chat template must render; `max_model_len`:
+    the servers' (vLLM's --max-model-len), at most the model's positions. Returns
     {"files": n, "weights": n}; ValueError saying what `src` lacks."""
     import os
 
@@ -165,6 +183,8 @@ def import_model_dir(src: str | Path, model_dir: str | Path, weights_dir: str | 
 
     src = Path(src).expanduser().resolve()
     check_model_files(src, load_tokenizer=False)  # loaded last: the weights say more
+    if max_model_len is not None:
+        _check_positions(src, max_model_len)
     shape = None
     if layout is not None:
         shape = ModelShape.from_model_dir(src)

@@ -39,6 +39,7 @@ import asyncio
 import collections
 import logging
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -79,11 +80,26 @@ class LayoutFailed(JobFailed):
     """The first layout's servers or training world did not start."""
 
 
+def _failure_text(exc: CommandError) -> str:
+    """A failed command in a line or two: "URL/cmd/...: " what the agent said failed
+    (its first line; a server's failure carries its log's tail after it) and the
+    exception the traceback in it ends with."""
+    said = getattr(exc, "error", None)
+    if not said:
+        return str(exc)[:2000]
+    found = re.search(r"\n(\([^)\n]*\) *)?Traceback", said)  # vLLM's: "(Name pid=N) "
+    head, trace = (said[:found.start()], said[found.start():]) if found else (said, "")
+    first, _, rest = head.strip().partition("\n")
+    last = [line for line in _exception_lines(trace) if line not in first]
+    text = str(exc).split(" ", 1)[0] + " " + first.rstrip(":")
+    if last:
+        return text + " (" + " / ".join(last) + ")"
+    return (text + (" " + rest.strip() if rest.strip() else ""))[:2000]
+
+
 def _exception_lines(trace: str, most: int = 3) -> list[str]:
     """The exception a traceback ends with, its first `most` lines (each at most 300
     characters; a process's "(Name pid=N) " prefix dropped); [] if it has none."""
-    import re
-
     lines = [re.sub(r"^\([^)]*\)\s*", "", line.strip()) for line in trace.splitlines()]
     lines = [line for line in lines if line]
     starts = [i for i, line in enumerate(lines)
@@ -355,16 +371,9 @@ class Coordinator:
         except CommandError as exc:  # a rank or server that did not start: say which, why
             if isinstance(exc, UserError):
                 raise
-            why = str(exc)
-            said = getattr(exc, "error", None)
-            if said:  # "URL/cmd/...: " the agent's words, and a traceback's exception
-                head, _, trace = said.partition("\nTraceback")
-                last = _exception_lines(trace)
-                why = (why.split(" ", 1)[0] + " " + head.strip().rstrip(":")
-                       + (f" ({' / '.join(last)})" if last and last[0] not in head else ""))
             raise LayoutFailed(
-                f"the job's first layout did not start: {why[:2000]}. The tracebacks and "
-                f"the ranks' and servers' output are in the node agents' logs, "
+                f"the job's first layout did not start: {_failure_text(exc)}. The tracebacks "
+                f"and the ranks' and servers' output are in the node agents' logs, "
                 f"{self.rd.path / 'logs'}") from exc
         self.rd.event("layout", roles=[c.role.value for c in self.table.cells], **timings)
 

@@ -73,7 +73,9 @@ class RunDirSetup:
                 import_model_dir(model.path, self.rd.model_dir, tiny.weights_dir(self.rd.path, 0),
                                  layout=(tr.tensor_parallel, tr.pipeline_parallel,
                                          tr.expert_parallel)
-                                 if tr.backend == "megatron" else None, chat=chat)
+                                 if tr.backend == "megatron" else None, chat=chat,
+                                 max_model_len=self.cfg.rollout.max_model_len
+                                 if self.cfg.rollout.engine == "vllm" else None)
             except ValueError as exc:
                 raise UserError(str(exc)) from None
             return
