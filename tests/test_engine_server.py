@@ -190,3 +190,29 @@ def test_an_engine_log_tail_keeps_the_start_of_a_line_longer_than_the_tail(tmp_p
     assert "'Arch599ForCausalLM'" not in tail and " [...]" in tail
     assert 3000 < len(tail) <= 4400, len(tail)
     assert log_tail(tmp_path / "none.log") == ""
+
+
+def test_the_engine_serves_a_sharded_tied_checkpoint(tmp_path):
+    """A model.path the way small published models come: tie_word_embeddings, the
+    checkpoint in shards with their index and without lm_head.weight. The engine asked
+    for model.safetensors (every server of such a run failed to start); it serves the
+    shards, its log-probs those of the tied model."""
+    import json
+
+    model_dir = tiny.make_model_dir(tmp_path / "hf", family="qwen2", max_positions=256)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    tiny.save_weights_into(tiny.new_model(model_dir, seed=3), model_dir, shards=2)
+    assert not (model_dir / "model.safetensors").exists()
+    secret = write_secret(tmp_path / "engine.secret")
+    proc = start_engine(model_dir=model_dir, host=HOST, weights_dir=model_dir, version=0,
+                        secret_file=tmp_path / "engine.secret", log_path=tmp_path / "engine.log",
+                        ready_timeout_s=START_S)
+    try:
+        prompt = [3, 10, 20, 30]
+        out = run(lambda c: c.generate(prompt, max_tokens=6, temperature=1.0, seed=2),
+                  {"proc": proc, "secret": secret})
+    finally:
+        proc.stop(timeout_s=10)
+    ref = reference_logprobs(model_dir, model_dir, prompt, out["output_ids"], 1.0)
+    assert max(abs(a - b) for a, b in zip(out["output_logprobs"], ref)) < 1e-4

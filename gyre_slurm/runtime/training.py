@@ -193,6 +193,16 @@ class TrainingLoop:
                 f"{self.job.rd.path / 'logs'}; runs end `timeout` after agent.run_timeout_s "
                 f"= {cfg.agent.run_timeout_s:g} s" + more)
         first, rd = steps[0], self.job.rd
+        if first == 0:  # the weights the run started from, before any update
+            cfg = self.job.cfg
+            source = (f"model.path {cfg.model.path}" if cfg.model.path
+                      else "the tiny model the run made")
+            raise TrainingDiverged(
+                f"training skipped {len(steps)} optimizer steps in a row (steps 0-"
+                f"{steps[-1]}) for a non-finite gradient norm from the first: the weights the "
+                f"run started from ({source}; {rd.path / 'weights' / 'v000000'}) give "
+                f"non-finite gradients before any update changed them. Check them for NaN "
+                f"or Inf values (a lower learning rate cannot help)" + more)
         # the weights of version `first` gave the first non-finite gradients: a checkpoint
         # of an earlier version (step_N holds version N) is from before the divergence
         before = sorted(p.name for p in rd.checkpoints.glob("step_*")
