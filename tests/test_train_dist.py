@@ -41,12 +41,13 @@ def listening(pid: int) -> list[tuple[str, int]]:
 def test_store_listens_on_the_given_loopback_address_only():
     store, port = host_store("127.0.0.2")
     try:
+        # this process's listening sockets on that port: 127.0.0.2 alone (not 0.0.0.0).
+        # (Connecting to 127.0.0.1:port to see it refused reached another test's
+        # listener on that port once in CI, 30:24 run of 77033b3: ports are per address.)
         mine = [s for s in listening(os.getpid()) if s[1] == port]
         assert mine == [("127.0.0.2", port)]
         with socket.create_connection(("127.0.0.2", port), timeout=5):
             pass
-        with pytest.raises(OSError):
-            socket.create_connection(("127.0.0.1", port), timeout=5).close()
     finally:
         del store
 
