@@ -273,25 +273,33 @@ def check_weights_fit(shape, weights_dir: str | Path) -> None:
     needs, each with its shape and a floating dtype: a checkpoint of another model (or
     a config edited without its weights) is named here, not deep inside a trainer."""
     headers = weight_headers(weights_dir)
-    want = shape.hf_tensor_shapes()
-    missing = [n for n in want if n not in headers]
-    def shape_of(entry) -> tuple | None:
-        dims = entry.get("shape")
-        return tuple(dims) if isinstance(dims, list) else None
-
-    wrong = [f"{n} is {list(shape_of(headers[n]) or ()) or headers[n].get('shape')}, "
-             f"the config says {list(s)}"
-             for n, s in want.items() if n in headers and shape_of(headers[n]) != s]
-    not_float = [f"{n} is {headers[n].get('dtype')}" for n in want
-                 if n in headers and headers[n].get("dtype") not in FLOAT_DTYPES]
-    problems = ([f"{len(missing)} tensor(s) missing, e.g. {missing[:3]}"] if missing else []) \
-        + wrong[:3] + not_float[:3]
+    problems = _fit_problems(headers, shape.hf_tensor_shapes())
     if not problems and shape.tied_embeddings and "lm_head.weight" in headers:
         _check_tied_copies(weights_dir, {"lm_head.weight": "model.embed_tokens.weight"})
     if problems:
         raise CorruptWeights(f"{weights_dir}: the weights are not the model its config.json "
                              f"describes ({shape.family}, hidden {shape.hidden_size}, "
                              f"{shape.num_layers} layers): " + "; ".join(problems))
+
+
+def _fit_problems(headers: dict[str, dict], want: dict[str, tuple], *,
+                  extra: list[str] = ()) -> list[str]:
+    """What keeps a checkpoint's tensors (`headers`, safetensors header entries) from
+    being the model's (`want`: name -> shape): tensors missing, `extra` ones, shapes
+    other than the config's, dtypes that are not floating (the first few of each)."""
+    def shape_of(entry) -> tuple | None:
+        dims = entry.get("shape")
+        return tuple(dims) if isinstance(dims, list) else None
+
+    missing = [n for n in want if n not in headers]
+    wrong = [f"{n} is {list(shape_of(headers[n]) or ()) or headers[n].get('shape')}, "
+             f"the config says {list(s)}"
+             for n, s in want.items() if n in headers and shape_of(headers[n]) != tuple(s)]
+    not_float = [f"{n} is {headers[n].get('dtype')}" for n in want
+                 if n in headers and headers[n].get("dtype") not in FLOAT_DTYPES]
+    return ([f"{len(missing)} tensor(s) missing, e.g. {missing[:3]}"] if missing else []) \
+        + ([f"{len(extra)} tensor(s) the model does not have, e.g. {extra[:3]}"]
+           if extra else []) + wrong[:3] + not_float[:3]
 
 
 def check_weights_build(model_dir: str | Path) -> None:
@@ -315,19 +323,11 @@ def check_weights_build(model_dir: str | Path) -> None:
         raise ValueError(f"{model_dir}/config.json does not describe a model transformers "
                          f"can build ({type(exc).__name__}: {str(exc)[:400]}); fix the "
                          f"key it names, or give the model's published config.json") from None
-    tied = set(tied_weights(model))
-    missing = [n for n in want if n not in headers]
-    extra = [n for n in headers if n not in want and n not in tied]
-    wrong = [f"{n} is {headers[n].get('shape')}, the config says {list(s)}"
-             for n, s in want.items() if n in headers
-             and headers[n].get("shape") != list(s)]
-    not_float = [f"{n} is {headers[n].get('dtype')}" for n in want
-                 if n in headers and headers[n].get("dtype") not in FLOAT_DTYPES]
-    problems = ([f"{len(missing)} tensor(s) missing, e.g. {missing[:3]}"] if missing else []) \
-        + ([f"{len(extra)} tensor(s) the model does not have, e.g. {extra[:3]}"]
-           if extra else []) + wrong[:3] + not_float[:3]
+    tied = tied_weights(model)
+    problems = _fit_problems(headers, want,
+                             extra=[n for n in headers if n not in want and n not in tied])
     if not problems:
-        _check_tied_copies(model_dir, {t: s for t, s in tied_weights(model).items()
+        _check_tied_copies(model_dir, {t: s for t, s in tied.items()
                                        if t in headers and s in headers})
     if problems:
         raise CorruptWeights(f"{model_dir}: the weights are not the model its config.json "

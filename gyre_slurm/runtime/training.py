@@ -200,7 +200,7 @@ class TrainingLoop:
             raise TrainingDiverged(
                 f"training skipped {len(steps)} optimizer steps in a row (steps 0-"
                 f"{steps[-1]}) for a non-finite gradient norm from the first: the weights the "
-                f"run started from ({source}; {rd.path / 'weights' / 'v000000'}) give "
+                f"run started from ({source}; {tiny.weights_dir(rd.path, 0)}) give "
                 f"non-finite gradients before any update changed them. Check them for NaN "
                 f"or Inf values (a lower learning rate cannot help)" + more)
         # the weights of version `first` gave the first non-finite gradients: a checkpoint
