@@ -360,7 +360,8 @@ def test_tree_packed_step_matches_the_torch_trainer(clusters, models, store, tmp
     """Branchy runs (shared prefixes), tree-packed: Megatron at TP1/PP1 x DP4 (whole runs
     per replica) and TP2/PP2 (one packed sequence per run through the 1F1B pipeline) give
     the loss of the rows layout and of transformers, compute only the trees' tokens, and
-    TP2/PP2's step equals the torch trainer's tree-packed step."""
+    TP2/PP2's step equals the torch trainer's tree-packed step; a step with no token to
+    train after it changes nothing."""
     from gyre_slurm.train.dist import leave_world
     from gyre_slurm.train.worker import TrainerWorker
     from gyre_slurm.traj.treepack import tree_tokens
@@ -384,6 +385,11 @@ def test_tree_packed_step_matches_the_torch_trainer(clusters, models, store, tmp
     assert sum(s.get("pad_tokens", 0) for s in stats.values()) == 0
     got = c.on(range(4), "optimizer_step", publish_dir=str(tmp_path / "meg"))[0]
     got_lp = np.array(c.one(range(4), "token_logprobs", token_ids=IDS))
+    # a step with no token to train changes nothing (AdamW's momentum would move it)
+    empty = c.on(range(4), "optimizer_step", num_step_tokens=0)[0]
+    assert empty["empty"] and empty["skipped"] and empty["grad_norm"] is None
+    assert empty["version"] == got["version"] + 1
+    assert np.array_equal(np.array(c.one(range(4), "token_logprobs", token_ids=IDS)), got_lp)
 
     port, gens = store
     worker = TrainerWorker(model_dir=c.model_dir, node_index=0, lr=1e-2, seed=0)

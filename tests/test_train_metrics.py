@@ -246,6 +246,14 @@ def test_steps_where_no_run_ends_ok_stop_the_job_saying_how_the_runs_ended(gyre,
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert [(e["step"], e["why"]) for e in events if e["kind"] == "step_skipped"] == [
         (0, "no run ended ok"), (1, "no run ended ok")]
+    # nothing trained, nothing changed: AdamW on zero gradients moved every weight
+    # (weight decay) until session 53
+    from safetensors.torch import load_file
+    from gyre_slurm.models.tiny import weights_dir
+    v0, v2 = (load_file(str(weights_dir(run_dir, v) / "model.safetensors")) for v in (0, 2))
+    assert v0.keys() == v2.keys() and all(torch.equal(v0[k], v2[k]) for k in v0)
+    metrics = read_metrics(run_dir)
+    assert [(m["train/skipped"], m["train/grad_norm"]) for m in metrics] == [(1, None)] * 2
 
 
 def test_a_first_step_already_non_finite_blames_the_weights_the_run_started_from(tmp_path):
@@ -278,3 +286,31 @@ def test_a_first_step_already_non_finite_blames_the_weights_the_run_started_from
     loop.skipped = [(1, "non-finite gradient norm"), (2, "non-finite gradient norm")]
     with pytest.raises(TrainingDiverged, match="the model has diverged by step 1"):
         loop.check_progress()
+
+
+def test_steps_whose_ok_runs_had_no_token_to_train_stop_saying_so(tmp_path):
+    """Runs that ended ok with no token the model generated (every loss mask 0) train
+    nothing: such steps count toward `faults.max_skipped_steps` like steps where no run
+    ended ok, and the stop says the ok runs gave no token, not that none ended ok."""
+    from gyre_slurm.config.schema import load_config
+    from gyre_slurm.runtime.book import StepBook
+    from gyre_slurm.runtime.job import JobState
+    from gyre_slurm.runtime.rundir import RunDir
+    from gyre_slurm.runtime.training import NO_RUN_OK, NO_TOKENS, TrainingLoop, TrainingStalled
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", overrides=["faults.max_skipped_steps=2"])
+    book = StepBook(num_steps=3, prompts_per_step=1, group_size=2, staleness=1)
+    for rid in book.steps[0].runs:
+        book.finish(rid, status="timeout", reward=0.0, trajectories=[])
+    for rid in book.steps[1].runs:
+        book.finish(rid, status="ok", reward=1.0, trajectories=[
+            {"run_id": rid, "token_ids": [1, 2, 3], "loss_mask": [0, 0, 0], "logprobs": [0.0] * 3}])
+    job = JobState(cfg=cfg, rd=RunDir(tmp_path / "run"), book=book, table=None)
+    loop = TrainingLoop(job=job, world=None, recovery=None, handoffs=None, metrics=None)
+    loop.skipped = [(0, NO_RUN_OK), (1, NO_TOKENS)]
+    with pytest.raises(TrainingStalled) as got:
+        loop.check_progress()
+    assert str(got.value).startswith(
+        "the runs of steps 0-1 (2 timeout, 2 ok) gave no token to train: those that ended ok "
+        "have no token the model generated"), str(got.value)
+    assert "2 steps in a row had nothing to train" in str(got.value)

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 NON_FINITE = "non-finite gradient norm"  # why a step trained nothing
 NO_RUN_OK = "no run ended ok"
+NO_TOKENS = "no token to train"  # runs ended ok, none with a generated token
 
 
 class TrainingDiverged(UserError):
@@ -147,14 +148,17 @@ class TrainingLoop:
         state = book.steps[step]
         t0 = time.monotonic()
         publish = None if self.wsync is not None else tiny.weights_dir(rd.path, step + 1)
+        # 0 tokens: the ranks skip the update (AdamW would move the weights on zero
+        # gradients, by momentum and weight decay); the version advances all the same
         stats = await self.world.optimizer_step(publish_dir=publish,
-                                                num_step_tokens=max(1, state.trained_tokens))
+                                                num_step_tokens=state.trained_tokens)
         figures = step_figures(book, step, merge_all(self.step_signals.values()),
                                grad_norm=stats.get("grad_norm"))
-        # A step that trained nothing: its update was dropped (a non-finite gradient
-        # norm; the version advances all the same), or no run of it ended ok.
+        # A step that trained nothing: no run of it ended ok, or those that did had no
+        # token to train, or its update was dropped (a non-finite gradient norm).
         ok = any(book.runs[r].state == "ok" for r in state.runs)
-        why = NO_RUN_OK if not ok else NON_FINITE if stats.get("skipped") else None
+        why = (NO_RUN_OK if not ok else NO_TOKENS if not state.trained_tokens
+               else NON_FINITE if stats.get("skipped") else None)
         if why is not None:
             self.skipped.append((step, why))
             rd.event("step_skipped", step=step, why=why, in_a_row=len(self.skipped),
@@ -181,14 +185,18 @@ class TrainingLoop:
         steps = [s for s, _ in self.skipped]
         more = (f"; or let the job go on through more such steps (faults.max_skipped_steps, "
                 f"{limit} now; 0: never stop)")
-        if all(why == NO_RUN_OK for _, why in self.skipped):
+        if all(why in (NO_RUN_OK, NO_TOKENS) for _, why in self.skipped):
             book, cfg = self.job.book, self.job.cfg
             ends = collections.Counter(book.runs[r].state for s in steps
                                        for r in book.steps[s].runs)
+            counts = ", ".join(f"{n} {state}" for state, n in ends.most_common())
+            head = (f"no run of steps {steps[0]}-{steps[-1]} ended ok ({counts})"
+                    if all(why == NO_RUN_OK for _, why in self.skipped) else
+                    f"the runs of steps {steps[0]}-{steps[-1]} ({counts}) gave no token to "
+                    f"train: those that ended ok have no token the model generated (an "
+                    f"agent that ends without calling the model?)")
             raise TrainingStalled(
-                f"no run of steps {steps[0]}-{steps[-1]} ended ok ("
-                + ", ".join(f"{n} {state}" for state, n in ends.most_common())
-                + f"): {len(steps)} steps in a row had nothing to train. Their runs' "
+                head + f": {len(steps)} steps in a row had nothing to train. Their runs' "
                 f"records are in {self.job.rd.runs_file} and the agents' output in "
                 f"{self.job.rd.path / 'logs'}; runs end `timeout` after agent.run_timeout_s "
                 f"= {cfg.agent.run_timeout_s:g} s" + more)

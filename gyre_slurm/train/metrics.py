@@ -10,8 +10,9 @@ TensorBoard (keys are TensorBoard tags, grouped by their prefix):
   train/      loss (Σ ℓ_t / N, the step's loss), clip_frac (tokens with a zero-gradient
               clip branch / N), is_truncated_frac, is_dropped_frac, ratio_mean (the
               trainer/sampler ratio ρ), is_weight_mean, entropy (mean over trained
-              tokens), grad_norm (before clipping), tokens, trajectories, skipped (1:
-              a non-finite grad_norm skipped the update; the version advanced)
+              tokens), grad_norm (before clipping; none when nothing trained), tokens,
+              trajectories, skipped (1: the update was skipped, for a non-finite
+              grad_norm or no token to train; the version advanced)
   mismatch/   abs_mean, abs_max (|logπ - logμ| over trained tokens), kl_k3, kl_k1
               (estimates of KL(sampler ‖ trainer) per token: see train/signals.py); and
               per policy lag L: lag<L>/abs_mean, lag<L>/abs_max, lag<L>/kl_k3,
@@ -78,8 +79,10 @@ def train_figures(sums: dict[str, Any], *, grad_norm: float | None) -> dict[str,
            "train/is_weight_mean": _ratio(sums.get("weight_sum", 0.0), n),
            "train/entropy": _ratio(sums.get("entropy_sum", 0.0), n),
            "train/grad_norm": grad_norm, "train/tokens": n,
-           # a non-finite norm skipped the step's update (the version advanced)
-           "train/skipped": int(is_number(grad_norm) and not math.isfinite(grad_norm))}
+           # the step's update was skipped (the version advanced): a non-finite norm,
+           # or nothing to train
+           "train/skipped": int(not n or (is_number(grad_norm)
+                                          and not math.isfinite(grad_norm)))}
     out.update(_mismatch("mismatch/", sums))
     out["mismatch/kl_k1"] = _ratio(sums.get("mismatch_k1_sum", 0.0), n)
     for lag, part in sorted((sums.get("by_lag") or {}).items(), key=lambda kv: int(kv[0])):

@@ -286,18 +286,25 @@ class TrainerWorker(StreamSender):
 
         Streaming trains micro-batches before the step's token count is known: they can
         accumulate unnormalised sums (`train_microbatch(num_step_tokens=1)`) and the
-        step divides by `num_step_tokens` here (gradients are linear in the loss)."""
+        step divides by `num_step_tokens` here (gradients are linear in the loss).
+
+        `num_step_tokens=0`: the step trained nothing (no run of it ended ok, or none
+        generated a token). Its update is skipped too (`empty`, no gradient norm):
+        AdamW on zero gradients would still move every weight, by its momentum from the
+        steps before and by weight decay, a policy no trajectory asked for."""
         t0 = time.perf_counter()
-        if self.world_size > 1:
+        empty = num_step_tokens == 0  # the same on every rank: no collective is skipped alone
+        if self.world_size > 1 and not empty:
             dist.all_reduce(self._grads)
-        if num_step_tokens is not None:
+        if num_step_tokens:
             self._grads.div_(float(num_step_tokens))
         t1 = time.perf_counter()
-        norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.grad_clip))
-        skipped = not math.isfinite(norm)
-        if skipped:
+        norm = None if empty else float(torch.nn.utils.clip_grad_norm_(self._params,
+                                                                        self.grad_clip))
+        skipped = empty or not math.isfinite(norm)
+        if not empty and skipped:
             logger.warning(SKIPPED, norm)
-        else:
+        if not skipped:
             self.optimizer.step()
         self.version += 1  # a skipped step is a step too: its policy is the one before
         self._grads.zero_()
@@ -307,7 +314,7 @@ class TrainerWorker(StreamSender):
 
             save_weights(self.model, publish_dir)
         return {"version": self.version, "grad_norm": norm, "skipped": skipped,
-                "lr": self.optimizer.param_groups[0]["lr"],
+                "empty": empty, "lr": self.optimizer.param_groups[0]["lr"],
                 "allreduce_s": t1 - t0, "step_s": t2 - t1,
                 "publish_s": time.perf_counter() - t2}
 

@@ -432,16 +432,18 @@ class MegatronWorker(CheckpointIO, StreamSender):
         by `num_step_tokens` if given, clip by the global norm, AdamW, zero. Publishing
         is decided by global rank 0: when it got `publish_dir`, every rank takes part in
         gathering the full model and rank 0 writes `publish_dir/model.safetensors`
-        (Hugging Face names; temp dir, then rename)."""
+        (Hugging Face names; temp dir, then rename). `num_step_tokens=0`: the step
+        trained nothing, and its update is skipped (`empty`; as the torch trainer's)."""
         from megatron.core.distributed import finalize_model_grads
 
         t0 = time.perf_counter()
-        finalize_model_grads([self.ddp])
-        if num_step_tokens is not None:
+        empty = num_step_tokens == 0  # the same on every rank
+        finalize_model_grads([self.ddp])  # also where empty: it ends any reduce begun
+        if num_step_tokens:
             self.ddp.scale_gradients(1.0 / float(num_step_tokens))
         t1 = time.perf_counter()
-        norm, skipped = self._clip_and_step()
-        if skipped:
+        norm, skipped = (None, True) if empty else self._clip_and_step()
+        if skipped and not empty:
             logger.warning(SKIPPED, norm)
         self.version += 1  # a skipped step is a step too: its policy is the one before
         self.ddp.zero_grad_buffer()
@@ -453,7 +455,7 @@ class MegatronWorker(CheckpointIO, StreamSender):
         if target is not None:  # skipped too: the servers load the version counted
             self.publish(Path(target))
         return {"version": self.version, "grad_norm": norm, "skipped": skipped,
-                "lr": state.torch_optimizers(self.optimizer)[0].param_groups[0]["lr"],
+                "empty": empty, "lr": state.torch_optimizers(self.optimizer)[0].param_groups[0]["lr"],
                 "allreduce_s": t1 - t0, "step_s": t2 - t1,
                 "publish_s": time.perf_counter() - t2}
 
