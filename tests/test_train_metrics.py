@@ -313,4 +313,21 @@ def test_steps_whose_ok_runs_had_no_token_to_train_stop_saying_so(tmp_path):
     assert str(got.value).startswith(
         "the runs of steps 0-1 (2 timeout, 2 ok) gave no token to train: those that ended ok "
         "have no token the model generated"), str(got.value)
-    assert "2 steps in a row had nothing to train" in str(got.value)
+    assert "2 steps in a row had nothing to train. Their runs'" in str(got.value)
+    # where the runs' records say why they failed, the commonest reason is named (a
+    # server's 502 for NaN weights says so only there)
+    from gyre_slurm.common.fsio import append_jsonl
+    job.rd.create(cfg, config=False)
+    nan = ("APIStatusError: Error code: 502 - probability tensor contains either `inf`, "
+           "`nan` or element < 0\ntraceback line")
+    for member, error in enumerate((nan, nan, "run exceeded 600s")):
+        append_jsonl(job.rd.runs_file, {"run_id": f"r{member}", "step": 0, "status": "failed",
+                                        "error": error, "reward": 0.0})
+    append_jsonl(job.rd.runs_file, {"run_id": "r9", "step": 2, "status": "failed",
+                                     "error": "not these steps", "reward": 0.0})
+    loop.skipped = [(0, NO_RUN_OK), (1, NO_RUN_OK)]
+    with pytest.raises(TrainingStalled) as got:
+        loop.check_progress()
+    assert ("2 steps in a row had nothing to train; 2 of their runs ended with: "
+            "APIStatusError: Error code: 502 - probability tensor contains either `inf`, "
+            "`nan` or element < 0. Their runs'") in str(got.value), str(got.value)

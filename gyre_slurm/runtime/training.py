@@ -24,6 +24,7 @@ import time
 from shlex import quote
 from typing import TYPE_CHECKING
 
+from gyre_slurm.common.fsio import read_jsonl
 from gyre_slurm.errors import UserError
 from gyre_slurm.models import tiny
 from gyre_slurm.runtime import checkpoint
@@ -196,7 +197,8 @@ class TrainingLoop:
                     f"train: those that ended ok have no token the model generated (an "
                     f"agent that ends without calling the model?)")
             raise TrainingStalled(
-                head + f": {len(steps)} steps in a row had nothing to train. Their runs' "
+                head + f": {len(steps)} steps in a row had nothing to train"
+                + self._commonest_error(steps) + ". Their runs' "
                 f"records are in {self.job.rd.runs_file} and the agents' output in "
                 f"{self.job.rd.path / 'logs'}; runs end `timeout` after agent.run_timeout_s "
                 f"= {cfg.agent.run_timeout_s:g} s" + more)
@@ -227,6 +229,20 @@ class TrainingLoop:
             f"training skipped {len(steps)} optimizer steps in a row (steps {first}-"
             f"{steps[-1]}) for a non-finite gradient norm: the model has diverged "
             f"by step {first}. To go on, {how}" + more)
+
+    def _commonest_error(self, steps: list[int]) -> str:
+        """What most of these steps' failed runs said (their records' `error`, first
+        line): a model server's 502 names its cause there (NaN weights: "probability
+        tensor contains inf/nan"), which the runs' states alone do not."""
+        wanted, errors = set(steps), collections.Counter()
+        for rec in read_jsonl(self.job.rd.runs_file):
+            if (isinstance(rec, dict) and rec.get("step") in wanted
+                    and rec.get("status") != "ok" and rec.get("error")):
+                errors[str(rec["error"]).strip().splitlines()[0][:300]] += 1
+        if not errors:
+            return ""
+        text, n = errors.most_common(1)[0]
+        return f"; {n} of their runs ended with: {text}"
 
     def _step_event(self, step, state, version, t0, stats, figures) -> None:
         book, rd = self.job.book, self.job.rd
