@@ -212,3 +212,27 @@ def test_runs_all_on_the_model_with_no_half_load_point_take_their_time():
         res = Simulator(cfg, named_policy(cfg, name), w).run()
         assert res.makespan_s >= bound, name
         assert res.makespan_s >= w.work_s.max() / cfg.cell_capacity, name
+
+
+def test_a_longest_run_goes_faster_only_at_its_cells_cost():
+    # The critical path lets each step's longest run go alone on a cell at rate_max (here
+    # 1.875x a full cell's rate: 80% of a run's time waits on the model), the work bound
+    # counts every rollout cell full; the tail-speed bound charges the chain's runs what
+    # their speed costs their cells. Here it binds, 4% above the three others, and no
+    # policy finishes below it.
+    from gyre_slurm.sched.policies import named_policy
+    from gyre_slurm.sim.bounds import lower_bound
+
+    cfg = load_config(None, ["cluster.num_nodes=4", "rollout.runs_per_node=8",
+                             "workload.num_steps=6", "workload.prompts_per_step=4",
+                             "workload.group_size=4", "workload.duration.mean_s=600",
+                             "workload.duration.sigma=0.3", "workload.llm_time_fraction=0.8",
+                             "workload.tokens_mean=20000", "training.max_staleness=1",
+                             "training.node_tokens_per_s=1000"])
+    w = sample_workload(cfg)
+    bound = lower_bound(cfg, w)
+    others = max(bound["work_bound_s"], bound["critical_path_s"], bound["staged_bound_s"])
+    assert bound["lower_bound_s"] == bound["tail_speed_bound_s"] > 1.03 * others
+    for name in ("elastic", "colocate", "async-even"):
+        res = Simulator(cfg, named_policy(cfg, name), w).run()
+        assert res.makespan_s >= bound["lower_bound_s"], name

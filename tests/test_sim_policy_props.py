@@ -140,7 +140,9 @@ PRESETS = [name for name in preset_names() if name != "small"]
 # Since the cells spare in a tail are lent together (session 46; on 32-64 cells elastic
 # is 0.4-1.4% faster, the lending credited being the lending done): growing 1.1932,
 # deepswe-122b-curriculum 1.1851 (over seeds 0-4 its mean 1.2003 against 1.1991).
-MISSED = {"nl2repo-2.4t": 1.165, "terminalbench-122b-growing": 1.20,
+# The bound's tail speed (session 53: a faster longest run costs its cell's work) took
+# terminalbench-122b-growing's bound from 215,784 s to 218,927 s: 1.1932 -> 1.1761.
+MISSED = {"nl2repo-2.4t": 1.165, "terminalbench-122b-growing": 1.18,
           "deepswe-122b-curriculum": 1.186}
 
 

@@ -28,16 +28,34 @@
   step k - s - 1 is trained, so the job ends no sooner than that plus the work bound of
   steps k.. alone.
 
-The bound is the largest of the three (staged >= both others). Handoff costs are not
+- tail speed (session 53): the critical path lets a step's longest run go at rate_max,
+  alone on its cell, while the work bound counts every rollout cell full; both at once
+  cannot be. A cell holding n runs does n rate(n) <= cap work a second: a run at speed
+  rate(n) costs its cell cap - n rate(n) of a full cell's work, at least l(r) for speed
+  r, l the lower convex hull of the points (rate(n), cap - n rate(n)), (1, 0) and (0, 0)
+  (a run queued or moving goes at 0 and costs nothing). Over a stay of D seconds doing
+  work w, convexity makes the least cost D l(w / D). Along one chain of steps k, k + s +
+  1, ... ending at the last step, one step's runs start only once the one before is
+  trained, so their longest runs never share a time: the job takes at least the chain
+  (each step's longest run's D, its group's training and the optimizer step), and the
+  cells' time at least the work bound with those costs added to rollout; the bound is
+  the least makespan over every choice of the D's (a convex trade, exact on the
+  Lagrangian frontier). terminalbench-122b-growing: 215,784 -> 218,927 s; no other
+  preset moved.
+
+The bound is the largest of these (staged >= critical path). Handoff costs are not
 counted: they depend on the policy, and a bound must hold for all of them.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from gyre_slurm.config.schema import GyreConfig
 from gyre_slurm.sched.observe import min_train_cells
+from gyre_slurm.sched.waterlevel import rate_by_load
 from gyre_slurm.sim.rollout import RolloutCells
 from gyre_slurm.sim.training import train_throughput
 from gyre_slurm.sim.workload import Workload
@@ -58,8 +76,9 @@ def lower_bound(cfg: GyreConfig, w: Workload, *, staleness: int | None = None) -
     s = cfg.training.max_staleness if staleness is None else staleness
     path = critical_path(cfg, w, staleness=s)
     staged = staged_bound(cfg, w, staleness=s)
-    return {"lower_bound_s": max(work, path, staged), "work_bound_s": work,
-            "critical_path_s": path, "staged_bound_s": staged,
+    tail = tail_speed_bound(cfg, w, staleness=s)
+    return {"lower_bound_s": max(work, path, staged, tail), "work_bound_s": work,
+            "critical_path_s": path, "staged_bound_s": staged, "tail_speed_bound_s": tail,
             "rollout_cell_s": rollout_cell_s, "train_cell_s": train_cell_s}
 
 
@@ -106,9 +125,8 @@ def _throughputs(cfg: GyreConfig) -> list[tuple[int, float]]:
             for width in range(1, cfg.cluster.num_cells + 1)]
 
 
-def _lower_left_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The points no mix of others beats on both coordinates, in order of a (the lower
-    convex hull, cut where b stops falling as a rises)."""
+def _lower_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The lower convex hull of the points, in order of the first coordinate."""
     hull: list[tuple[float, float]] = []
     for p in sorted(set(points)):
         while len(hull) >= 2:
@@ -118,6 +136,13 @@ def _lower_left_hull(points: list[tuple[float, float]]) -> list[tuple[float, flo
             else:
                 break
         hull.append(p)
+    return hull
+
+
+def _lower_left_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points no mix of others beats on both coordinates, in order of a (the lower
+    convex hull, cut where b stops falling as a rises)."""
+    hull = _lower_hull(points)
     out = [hull[0]]
     for p in hull[1:]:
         if p[1] < out[-1][1]:
@@ -125,6 +150,66 @@ def _lower_left_hull(points: list[tuple[float, float]]) -> list[tuple[float, flo
         else:
             break
     return out
+
+
+def tail_speed_bound(cfg: GyreConfig, w: Workload, *, staleness: int) -> float:
+    """The least makespan where the longest runs of a chain of steps go faster than a
+    full cell's rate only at the cost of their cells' work (module docstring)."""
+    cap, n = cfg.cell_capacity, w.num_steps
+    rates = rate_by_load(capacity=cap, llm_fraction=cfg.workload.llm_time_fraction,
+                         half_load_runs=cfg.rollout.half_load_runs)
+    points = [(0.0, 0.0)] + [(float(rates[k]), cap - k * float(rates[k]))
+                             for k in range(1, cap + 1)]
+    # (speed, cost a second) at the hull's vertices from speed 1 (a full cell, no cost) up
+    speeds = [(r, cost / cap) for r, cost in _lower_hull(points) if r >= 1.0 - 1e-12]
+    full, opt_s = fastest_throughput(cfg), cfg.training.optimizer_step_s
+    fixed, works = 0.0, []
+    for k in range((n - 1) % (staleness + 1), n, staleness + 1):
+        sel = slice(k * w.runs_per_step, (k + 1) * w.runs_per_step)
+        last = int(np.argmax(w.work_s[sel])) + k * w.runs_per_step
+        fixed += float(w.tokens[w.group == w.group[last]].sum()) / full + opt_s
+        works.append(float(w.work_s[last]))
+    rollout, tokens = float(w.work_s.sum()) / cap, float(w.tokens.sum())
+
+    def frontier(price: float) -> tuple[float, float]:
+        """(the chain's length, the cell-seconds its speed costs) where each run takes
+        the speed that minimises its stay plus `price` x its cost."""
+        chain = extra = 0.0
+        for work in works:
+            r, c = (min(speeds, key=lambda v: (v[1], -v[0])) if math.isinf(price) else
+                    min(speeds, key=lambda v: work / v[0] * (1.0 + price * v[1])))
+            chain, extra = chain + work / r, extra + work / r * c
+        return fixed + chain, extra
+
+    def cells(extra: float) -> float:
+        return work_bound(cfg, rollout_cell_s=rollout + extra, tokens=tokens, steps=n)
+
+    # the chain grows and the cells' bound falls as the price rises: the least
+    # max(chain, cells) is where they cross, on the segment between two prices' choices
+    (f_lo, x_lo), (f_hi, x_hi) = frontier(0.0), frontier(math.inf)
+    if f_lo >= cells(x_lo):
+        return f_lo
+    if f_hi <= cells(x_hi):
+        return cells(x_hi)
+    lo, hi = 0.0, 1.0
+    for _ in range(200):  # a price high enough that every run takes speed 1
+        f, x = frontier(hi)
+        if f >= cells(x):
+            break
+        hi *= 2.0
+    for _ in range(100):
+        mid = (lo + hi) / 2.0
+        f, x = frontier(mid)
+        lo, hi = (mid, hi) if f < cells(x) else (lo, mid)
+    (f_lo, x_lo), (f_hi, x_hi) = frontier(lo), frontier(hi)
+    a, b = 0.0, 1.0  # a mix of the two choices: f rises and cells falls with t
+    for _ in range(100):
+        t = (a + b) / 2.0
+        if f_lo + t * (f_hi - f_lo) < cells(x_lo + t * (x_hi - x_lo)):
+            a = t
+        else:
+            b = t
+    return f_lo + a * (f_hi - f_lo)  # below the crossing: still a bound
 
 
 def critical_path(cfg: GyreConfig, w: Workload, *, staleness: int) -> float:
