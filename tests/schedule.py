@@ -15,9 +15,7 @@ This plugin decides the units and their order (`tests/conftest.py` imports its h
   in xdist's order, by number of tests, which says little here (one `gyre run` outlasts a
   hundred unit tests).
 - With GYRE_TEST_HEAVY_WORKERS=H, the workers past the first H take light units (and solo
-  ones, below) first, and the first H take the slow ones first; a light worker with no
-  light or solo unit left takes the shortest slow unit left (from the queue's end, while
-  the heavy workers take its longest from the front). The slow tests are mostly
+  ones, below) only, and the first H take the slow ones first. The slow tests are mostly
   waiting on the processes they start (a whole suite used 142% of 2 cores on 2 workers):
   a third worker that runs the unit tests beside them fills the idle core without a third
   engine or cluster competing for memory and CPU (3 workers taking any unit thrashed
@@ -207,11 +205,6 @@ class PackedScheduling(LoadScopeScheduling):
         """The first unit in the queue of `kind` (one of KINDS)."""
         return next((s for s in self.workqueue if self._kinds.get(s, "slow") == kind), None)
 
-    def _last(self, kind: str) -> str | None:
-        """The last (shortest) unit in the queue of `kind`."""
-        return next((s for s in reversed(self.workqueue)
-                     if self._kinds.get(s, "slow") == kind), None)
-
     def _split_scope(self, nodeid: str) -> str:
         self._read_units()
         return self._units.get(nodeid) or nodeid.split("::", 1)[0]
@@ -224,16 +217,14 @@ class PackedScheduling(LoadScopeScheduling):
 
     def _next_scope(self, node) -> str | None:
         """The unit `node` takes next, in the queue's order: a light worker the first light
-        unit, or once none is left the first solo one, or once none of those is left the
-        last (shortest) slow one, niced as it is (it idled the suite's last ~10 minutes
-        while the heavy workers' queue bounded the suite); a heavy worker the first slow
-        unit that is not solo, or once none is left and only when idle (not as the next
-        unit it queues), the first unit of any kind. None: nothing for it now."""
+        unit, or once none is left the first solo one; a heavy worker the first slow unit
+        that is not solo, or once none is left and only when idle (not as the next unit it
+        queues), the first unit of any kind. None: nothing for it now."""
         self._read_units()
         if not self._has_light_workers():
             return next(iter(self.workqueue))
         if self._light_only(node):
-            return self._first("light") or self._first("solo") or self._last("slow")
+            return self._first("light") or self._first("solo")
         heavy = self._first("slow")
         if heavy is not None or self._pending_of(self.assigned_work.get(node, {})):
             return heavy

@@ -163,37 +163,3 @@ def test_solo_units_go_to_the_light_worker_once_its_light_units_are_done(tmp_pat
     assert int(value["solo::alone"]) == int(value["unit::u"])  # niced alike
     order = [name for name, w, _ in rows if w == "gw2"]
     assert order.index("solo::alone") > max(order.index("solo::quick"), order.index("unit::u"))
-
-
-QUEUE = LOG + """
-@pytest.mark.slow
-def test_q1():
-    log("queue::q1"); time.sleep(4.0)
-
-@pytest.mark.slow
-def test_q2():
-    log("queue::q2"); time.sleep(4.0)
-""" + "".join(f"""
-@pytest.mark.slow
-def test_q{i}():
-    log("queue::q{i}", os.nice(0)); time.sleep(0.2)
-""" for i in range(3, 7))
-
-
-def test_a_light_worker_with_nothing_light_left_takes_the_shortest_slow_units(tmp_path):
-    """Once its light units are done a light worker takes slow units too, from the queue's
-    end (the shortest), niced, while the heavy workers take the longest from its front:
-    the suite's last minutes are not the heavy workers' queue alone."""
-    durations = {"test_queue.py::test_q1": 200, "test_queue.py::test_q2": 190,
-                 "test_queue.py::test_q3": 30, "test_queue.py::test_q4": 20,
-                 "test_queue.py::test_q5": 15, "test_queue.py::test_q6": 10,
-                 "test_unit.py::test_u": 1}
-    out, rows = run_packed(tmp_path, {"test_unit.py": UNIT, "test_queue.py": QUEUE},
-                           durations, workers=3, heavy=2)
-    assert "7 passed" in out, out
-    worker = {name: w for name, w, _ in rows}
-    value = {name: v for name, _, v in rows}
-    assert {worker["queue::q1"], worker["queue::q2"]} == {"gw0", "gw1"}
-    assert worker["unit::u"] == worker["queue::q6"] == "gw2"  # the shortest, after its own
-    assert int(value["queue::q6"]) == int(value["unit::u"])  # niced alike
-    assert worker["queue::q3"] in ("gw0", "gw1")  # the longest short one: a heavy worker's
