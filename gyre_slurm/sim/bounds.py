@@ -49,8 +49,6 @@ counted: they depend on the policy, and a bound must hold for all of them.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from gyre_slurm.config.schema import GyreConfig
@@ -165,10 +163,8 @@ def tail_speed_bound(cfg: GyreConfig, w: Workload, *, staleness: int) -> float:
     full, opt_s = fastest_throughput(cfg), cfg.training.optimizer_step_s
     fixed, works = 0.0, []
     for k in range((n - 1) % (staleness + 1), n, staleness + 1):
-        sel = slice(k * w.runs_per_step, (k + 1) * w.runs_per_step)
-        last = int(np.argmax(w.work_s[sel])) + k * w.runs_per_step
-        fixed += float(w.tokens[w.group == w.group[last]].sum()) / full + opt_s
-        works.append(float(w.work_s[last]))
+        work, train_s = _longest_run(w, k, full)
+        fixed, works = fixed + train_s + opt_s, works + [work]
     rollout, tokens = float(w.work_s.sum()) / cap, float(w.tokens.sum())
 
     def frontier(price: float) -> tuple[float, float]:
@@ -176,8 +172,7 @@ def tail_speed_bound(cfg: GyreConfig, w: Workload, *, staleness: int) -> float:
         the speed that minimises its stay plus `price` x its cost."""
         chain = extra = 0.0
         for work in works:
-            r, c = (min(speeds, key=lambda v: (v[1], -v[0])) if math.isinf(price) else
-                    min(speeds, key=lambda v: work / v[0] * (1.0 + price * v[1])))
+            r, c = min(speeds, key=lambda v: work / v[0] * (1.0 + price * v[1]))
             chain, extra = chain + work / r, extra + work / r * c
         return fixed + chain, extra
 
@@ -185,12 +180,13 @@ def tail_speed_bound(cfg: GyreConfig, w: Workload, *, staleness: int) -> float:
         return work_bound(cfg, rollout_cell_s=rollout + extra, tokens=tokens, steps=n)
 
     # the chain grows and the cells' bound falls as the price rises: the least
-    # max(chain, cells) is where they cross, on the segment between two prices' choices
-    (f_lo, x_lo), (f_hi, x_hi) = frontier(0.0), frontier(math.inf)
+    # max(chain, cells) is where they cross, on the segment between two prices' choices.
+    # At an infinite price every run takes speed 1 (a full cell), which costs nothing.
+    (f_lo, x_lo), f_hi = frontier(0.0), fixed + sum(works)
     if f_lo >= cells(x_lo):
         return f_lo
-    if f_hi <= cells(x_hi):
-        return cells(x_hi)
+    if f_hi <= cells(0.0):
+        return cells(0.0)
     lo, hi = 0.0, 1.0
     for _ in range(200):  # a price high enough that every run takes speed 1
         f, x = frontier(hi)
@@ -235,6 +231,14 @@ def staged_bound(cfg: GyreConfig, w: Workload, *, staleness: int) -> float:
     return end
 
 
+def _longest_run(w: Workload, step: int, full: float) -> tuple[float, float]:
+    """Step `step`'s longest run: its work, and its group's training on a world that
+    trains `full` tokens/s (what follows it on the critical path)."""
+    sel = slice(step * w.runs_per_step, (step + 1) * w.runs_per_step)
+    last = int(np.argmax(w.work_s[sel])) + step * w.runs_per_step
+    return float(w.work_s[last]), float(w.tokens[w.group == w.group[last]].sum()) / full
+
+
 def _step_finishes(cfg: GyreConfig, w: Workload, *, staleness: int,
                    floor: list[float] | None = None) -> np.ndarray:
     """When each step is trained at the earliest along the critical path (no sooner
@@ -248,11 +252,10 @@ def _step_finishes(cfg: GyreConfig, w: Workload, *, staleness: int,
     finish = np.zeros(w.num_steps)
     for k in range(w.num_steps):
         sel = slice(k * w.runs_per_step, (k + 1) * w.runs_per_step)
-        last = int(np.argmax(w.work_s[sel])) + k * w.runs_per_step
-        group = w.group == w.group[last]
+        work, train_s = _longest_run(w, k, full)
         start = finish[k - staleness - 1] if k - staleness - 1 >= 0 else 0.0
         prev = finish[k - 1] if k >= 1 else 0.0
-        tail = max(prev, start + w.work_s[last] / rate) + float(w.tokens[group].sum()) / full
+        tail = max(prev, start + work / rate) + train_s
         whole = prev + float(w.tokens[sel].sum()) / full
         finish[k] = max(tail, whole) + opt_s
         if floor is not None:

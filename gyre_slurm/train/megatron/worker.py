@@ -454,8 +454,8 @@ class MegatronWorker(CheckpointIO, StreamSender):
             target = gdist.broadcast_text(target, src=0)
         if target is not None:  # skipped too: the servers load the version counted
             self.publish(Path(target))
-        return {"version": self.version, "grad_norm": norm, "skipped": skipped,
-                "empty": empty, "lr": state.torch_optimizers(self.optimizer)[0].param_groups[0]["lr"],
+        return {"version": self.version, "grad_norm": norm, "skipped": skipped, "empty": empty,
+                "lr": state.torch_optimizers(self.optimizer)[0].param_groups[0]["lr"],
                 "allreduce_s": t1 - t0, "step_s": t2 - t1,
                 "publish_s": time.perf_counter() - t2}
 
