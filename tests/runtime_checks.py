@@ -8,27 +8,46 @@ from pathlib import Path
 from gyre_slurm.common.fsio import read_jsonl
 from gyre_slurm.runtime.metrics import read_metrics
 from gyre_slurm.traj.process import process_run
+from gyre_slurm.traj.records import token_digest
 from gyre_slurm.traj.store import load_store
 
 
+def trained_microbatches(events: list[dict]) -> list[dict]:
+    """The micro-batch events whose training stands: those of the steps each life
+    committed, and of a micro-batch trained again (its step rewound) the last."""
+    last: dict[tuple[int, int], dict] = {}
+    for e in committed_microbatches(events):
+        last[(e["step"], e["index"])] = e
+    return list(last.values())
+
+
 def trained_trajectories(run_dir: Path) -> Counter:
-    """(run_id, token ids) of every trajectory in a trained micro-batch."""
+    """(run_id, token digest) of every trajectory a standing micro-batch trained, from
+    its `microbatch` event (the files of older steps are gone:
+    training.keep_microbatch_steps)."""
     seen = Counter()
-    for path in sorted((run_dir / "stream").glob("*.json")):
-        for t in json.loads(path.read_text()):
-            seen[(t["run_id"], tuple(t["token_ids"]))] += 1
+    for e in trained_microbatches(list(read_jsonl(run_dir / "events.jsonl"))):
+        assert len(e["runs"]) == len(e["digests"]) == len(e["lengths"]), e
+        for rid, digest in zip(e["runs"], e["digests"]):
+            seen[(rid, digest)] += 1
     return seen
 
 
-def expected_trajectories(run_dir: Path, max_per_run: int = 5) -> Counter:
-    """The same, rebuilt independently from the call store for every ok run."""
+def processed_trajectories(run_dir: Path, max_per_run: int = 5) -> dict[tuple[str, str], list]:
+    """(run_id, token digest) -> token ids of every trajectory, rebuilt independently
+    from the call store for every ok run."""
     ok = {r["run_id"] for r in read_jsonl(run_dir / "runs" / "runs.jsonl") if r["status"] == "ok"}
     loaded = load_store(run_dir)
-    want = Counter()
+    out = {}
     for rid in ok:
         for t in process_run(loaded.runs[rid], max_per_run=max_per_run).trajectories:
-            want[(rid, tuple(t.token_ids.tolist()))] += 1
-    return want
+            out[(rid, token_digest(t.token_ids))] = t.token_ids.tolist()
+    return out
+
+
+def expected_trajectories(run_dir: Path, max_per_run: int = 5) -> Counter:
+    """What `trained_trajectories` should find: each processed trajectory once."""
+    return Counter(processed_trajectories(run_dir, max_per_run).keys())
 
 
 def check_runs_trained_once(run_dir: Path) -> None:
@@ -120,18 +139,18 @@ def committed_microbatches(events: list[dict]) -> list[dict]:
 def check_packing(run_dir: Path, events: list[dict]) -> None:
     """Every micro-batch computed what its packing says (config.yaml's
     training.packing): tree, each run's prefix tree once (its tree tokens, no padding),
-    a run never split across micro-batches; rows, every trajectory whole."""
-    import yaml
-
+    a run never split across micro-batches; rows, every trajectory whole. The batches
+    are rebuilt from the call store by their events' digests."""
     from gyre_slurm.traj.treepack import tree_tokens
 
-    packing = (yaml.safe_load((run_dir / "config.yaml").read_text()).get("training") or {}
-               ).get("packing", "tree")
+    packing = run_config(run_dir).get("training", {}).get("packing", "tree")
+    ids = processed_trajectories(run_dir)
     seen_runs: dict[str, tuple[int, int]] = {}
-    for e in committed_microbatches(events):
-        batch = json.loads((run_dir / "stream" /
-                            f"step{e['step']:06d}_mb{e['index']:05d}.json").read_text())
-        rows = sum(len(t["token_ids"]) for t in batch)
+    for e in trained_microbatches(events):
+        batch = [{"run_id": rid, "token_ids": ids[(rid, d)]}
+                 for rid, d in zip(e["runs"], e["digests"])]
+        assert [len(t["token_ids"]) for t in batch] == e["lengths"], e
+        rows = sum(e["lengths"])
         fed, pad = e["stats"]["fed_tokens"], e["stats"]["pad_tokens"]
         if packing == "tree":
             assert (fed, pad) == (tree_tokens(batch), 0), e
@@ -142,10 +161,33 @@ def check_packing(run_dir: Path, events: list[dict]) -> None:
             assert fed - pad == rows, e
 
 
+def check_stream_files(run_dir: Path, events: list[dict], *, num_steps: int) -> None:
+    """The micro-batch files left are those of the newest training.keep_microbatch_steps
+    steps (every one where 0), one for each of their standing micro-batches, each
+    holding what its event says it trained."""
+    keep = run_config(run_dir).get("training", {}).get("keep_microbatch_steps", 2)
+    standing = {(e["step"], e["index"]): e for e in trained_microbatches(events)}
+    files = {(int(p.name[4:10]), int(p.name[13:18])): p
+             for p in (run_dir / "stream").glob("step*_mb*.json")}
+    kept = {k for k in standing if keep == 0 or k[0] >= num_steps - keep}
+    assert set(files) == kept, (sorted(files), sorted(kept))
+    for key, path in files.items():
+        batch = json.loads(path.read_text())
+        assert [t["run_id"] for t in batch] == standing[key]["runs"], key
+        assert [token_digest(t["token_ids"]) for t in batch] == standing[key]["digests"], key
+
+
+def run_config(run_dir: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+
+
 def check_run_dir(run_dir: Path, *, num_steps: int) -> list[dict]:
     check_runs_trained_once(run_dir)
     events = list(read_jsonl(run_dir / "events.jsonl"))
     check_packing(run_dir, events)
+    check_stream_files(run_dir, events, num_steps=num_steps)
     check_steps_in_order(events, num_steps=num_steps)
     check_metrics(run_dir, events, num_steps=num_steps)
     status = json.loads((run_dir / "status.json").read_text())

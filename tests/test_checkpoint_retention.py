@@ -1,7 +1,10 @@
 """Checkpoint retention: a job of days writes a checkpoint (model and optimizer state)
 and, with `rollout.weight_sync: file`, a weights folder every step; all were kept, so a
 long run filled its filesystem. `training.keep_checkpoints` (3) keeps the newest few and
-the weights files the job may still read."""
+the weights files the job may still read. Likewise the micro-batch files (stream/, every
+token of every trajectory trained: gigabytes a step for long agent runs):
+`training.keep_microbatch_steps` (2) keeps the newest steps' files, and each
+micro-batch's event keeps what it trained."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from runtime_checks import check_run_dir
 from test_runtime_e2e import FAST, gyre_run
 
 from gyre_slurm.runtime import checkpoint
+from gyre_slurm.runtime.rundir import RunDir
 
 
 def _fake_run(root: Path, versions: range, latest: int) -> Path:
@@ -48,10 +52,24 @@ def test_prune_keeps_the_newest_latest_and_the_weights_they_need(tmp_path):
                                        "v000008", "v000009"]
 
 
+def test_prune_stream_removes_the_older_steps_files_only(tmp_path):
+    rd = RunDir(tmp_path / "run")
+    (rd.path / "stream").mkdir(parents=True)
+    for step, index in [(0, 0), (0, 1), (1, 0), (2, 0), (2, 3)]:
+        rd.stream_file(step, index).write_text("[]")
+    for odd in ("notes.txt", "step000000_mb00000.json.tmp", "stepXYZ_mb1.json"):
+        (rd.path / "stream" / odd).write_text("x")  # not a micro-batch file: stays
+    assert rd.prune_stream(before_step=2) == 3
+    assert _names(rd.path / "stream") == sorted([
+        "notes.txt", "step000000_mb00000.json.tmp", "stepXYZ_mb1.json",
+        "step000002_mb00000.json", "step000002_mb00003.json"])
+    assert rd.prune_stream(before_step=2) == 0
+
+
 def test_a_long_run_keeps_its_newest_checkpoints_and_resumes_from_them(tmp_path):
     run_dir = tmp_path / "run"
     proc = gyre_run(run_dir, *FAST, "workload.num_steps=5", "cluster.num_nodes=2",
-                    "training.keep_checkpoints=2")
+                    "training.keep_checkpoints=2", "training.keep_microbatch_steps=1")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert _names(run_dir / "checkpoints") == ["latest", "step_000004", "step_000005"]
     # (weights: v0, and from two versions below the newest checkpoint on)
@@ -61,7 +79,12 @@ def test_a_long_run_keeps_its_newest_checkpoints_and_resumes_from_them(tmp_path)
     assert pruned == [["checkpoints/step_000001"],
                       ["checkpoints/step_000002", "weights/v000001"],
                       ["checkpoints/step_000003", "weights/v000002"]], pruned
+    # the last step's micro-batch files only; each older step's went as the next ended
+    assert {name[:10] for name in _names(run_dir / "stream")} == {"step000004"}
+    gone = [e["before_step"] for e in events if e["kind"] == "microbatches_pruned"]
+    assert gone == [1, 2, 3, 4], gone
     proc = gyre_run(run_dir, "workload.num_steps=7", resume=True)  # two more steps
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert _names(run_dir / "checkpoints") == ["latest", "step_000006", "step_000007"]
+    assert {name[:10] for name in _names(run_dir / "stream")} == {"step000006"}
     check_run_dir(run_dir, num_steps=7)  # every run trained once, steps in order

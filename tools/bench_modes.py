@@ -197,13 +197,16 @@ def measure(run_dir: Path, cfg: GyreConfig) -> dict:
     # answered one of its run's calls (from the call store, not the coordinator).
     store = load_store(run_dir)
     oldest = {rid: min(c.policy_version for c in calls) for rid, calls in store.runs.items()}
+    # What each micro-batch trained, from its event (the files of older steps are
+    # pruned: training.keep_microbatch_steps); one trained again (a rewound step) counts
+    # once, its last training.
     lags, seen, tokens_of = [], Counter(), defaultdict(int)
-    for path in sorted((run_dir / "stream").glob("step*_mb*.json")):
-        step = int(path.name[4:10])
-        for t in json.loads(path.read_text()):
-            lags.append(step - oldest[t["run_id"]])
-            seen[(t["run_id"], tuple(t["token_ids"]))] += 1
-            tokens_of[t["run_id"]] += len(t["token_ids"])
+    standing = {(e["step"], e["index"]): e for e in mbs}
+    for (step, _index), e in sorted(standing.items()):
+        for rid, length, digest in zip(e["runs"], e["lengths"], e["digests"]):
+            lags.append(step - oldest[rid])
+            seen[(rid, digest)] += 1
+            tokens_of[rid] += length
     return {
         "span_s": span,
         "busy_fraction": busy,

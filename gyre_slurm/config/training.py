@@ -31,6 +31,11 @@ class TrainingConfig:
     keep_checkpoints: int = key(
         3, "the newest this many checkpoints stay (and the weights files of their "
            "versions); older ones are removed once a newer one is written; 0: every one")
+    keep_microbatch_steps: int = key(
+        2, "the micro-batch files (stream/) of the newest this many trained steps stay; "
+           "older ones are removed as each step ends (each holds every token of its "
+           "trajectories: gigabytes a step for long agent runs; the `microbatch` events "
+           "keep what each trained, runs and token digests); 0: every one")
     node_tokens_per_s: float = key(
         2_000.0, "trained tokens/s of one node: the simulator's speed and the policy's "
                  "prior (with trainer.pace, also the pace real training is held to)")
@@ -47,8 +52,8 @@ class TrainingConfig:
         if not 0.0 < self.scaling_efficiency <= 1.0:
             raise FieldError("scaling_efficiency",
                              f"must be in (0, 1], got {self.scaling_efficiency}")
-        all_positive(self, ("max_staleness", "optimizer_step_s", "keep_checkpoints"),
-                     allow_zero=True)
+        all_positive(self, ("max_staleness", "optimizer_step_s", "keep_checkpoints",
+                            "keep_microbatch_steps"), allow_zero=True)
 
     def throughput(self, nodes: int) -> float:
         """Trained tokens/s of a world of `nodes` nodes, as the simulator and the

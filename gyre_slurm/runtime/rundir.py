@@ -9,7 +9,8 @@ RUN_DIR/
   status.json           current state, rewritten atomically about once a second
   events.jsonl          append-only: decisions, handoff phases, steps, failures
   calls/ runs/          the gateway's call store; run records (runs/runs.jsonl)
-  stream/               micro-batches handed to the training ranks
+  stream/               micro-batches handed to the training ranks (those of the newest
+                        training.keep_microbatch_steps steps stay)
   checkpoints/step_NNNNNN/  complete checkpoints (written as .tmp-*, renamed); `latest` names the newest
   weights/vNNNNNN/      the policy versions rollout servers load
   trainer_state/        the trainer's state handed from one training world to the next
@@ -32,6 +33,7 @@ Nothing here is unpickled: records are JSON, tensors safetensors (or `torch.load
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import time
@@ -45,6 +47,7 @@ from gyre_slurm.errors import UserError
 
 
 PRIVATE_DIRS = ("checkpoints", "weights", "trainer_state")  # the model's state: owner only
+STREAM_NAME = re.compile(r"step\d{6}_mb\d{5}\.json")  # RunDir.stream_file's names
 
 
 class RunDir:
@@ -81,6 +84,17 @@ class RunDir:
 
     def stream_file(self, step: int, index: int) -> Path:
         return self.path / "stream" / f"step{step:06d}_mb{index:05d}.json"
+
+    def prune_stream(self, *, before_step: int) -> int:
+        """Remove the micro-batch files of the steps before `before_step` (trained: no
+        rank reads them again, and a resume trains its uncommitted steps from the call
+        store); how many went."""
+        removed = 0
+        for path in (self.path / "stream").glob("step*_mb*.json"):
+            if STREAM_NAME.fullmatch(path.name) and int(path.name[4:10]) < before_step:
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
 
     # -- creation --------------------------------------------------------------------
     def create(self, cfg: GyreConfig, *, config: bool = True) -> None:

@@ -34,6 +34,7 @@ from gyre_slurm.runtime.handoff import Handoffs
 from gyre_slurm.runtime.job import JobState
 from gyre_slurm.runtime.recovery import Recovery
 from gyre_slurm.runtime.world import TrainWorld
+from gyre_slurm.traj.records import token_digest
 
 if TYPE_CHECKING:
     from gyre_slurm.runtime.metrics import MetricsLog
@@ -133,8 +134,12 @@ class TrainingLoop:
         self.train_rate.append(tokens / max(dt, 1e-6) / cells)
         book.trained(batch, index=index)
         self.step_signals[index] = stats  # a micro-batch trained again replaces its sums
+        # Each trajectory's run, length and token digest: what the micro-batch trained,
+        # kept after its file goes (training.keep_microbatch_steps)
         self.job.rd.event("microbatch", step=step, index=index,
                           runs=[t["run_id"] for t in batch], tokens=tokens,
+                          lengths=[len(t["token_ids"]) for t in batch],
+                          digests=[token_digest(t["token_ids"]) for t in batch],
                           members=list(world.members), seconds=dt, stats=stats,
                           again=again is not None)
         return True
@@ -169,6 +174,16 @@ class TrainingLoop:
         self.step_signals.clear()
         version = book.step_done()
         self.metrics.write(step=step, version=version, figures=figures)
+        keep = self.job.cfg.training.keep_microbatch_steps
+        if keep > 0:  # what ranks read is trained and in the events: the files may go
+            try:
+                removed = await asyncio.to_thread(rd.prune_stream, before_step=step + 1 - keep)
+            except OSError as exc:  # the files stay; the job goes on (the next step retries)
+                rd.event("microbatches_prune_failed", before_step=step + 1 - keep,
+                         error=f"{type(exc).__name__}: {exc}")
+            else:
+                if removed:
+                    rd.event("microbatches_pruned", before_step=step + 1 - keep, files=removed)
         try:
             if self.wsync is not None:  # the ranks send it to every serving server
                 await self.streamed(self.wsync.publish(version))

@@ -21,6 +21,7 @@ A bad record never stops a file: it becomes a `RecordError` naming the file, the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -48,6 +49,13 @@ CALL_KEYS = (
 RUN_STATUSES = ("ok", "failed", "timeout")
 EMPTY_IDS = np.zeros(0, dtype=np.int32)
 EMPTY_LOGPROBS = np.zeros(0, dtype=np.float32)
+
+
+def token_digest(token_ids: Iterable[int] | np.ndarray) -> str:
+    """A trajectory's fingerprint in the run's records (the `microbatch` event's
+    `digests`, which outlive its micro-batch file): the first 16 hex digits of the
+    SHA-1 of its token ids as little-endian int64."""
+    return hashlib.sha1(np.asarray(token_ids, dtype="<i8").tobytes()).hexdigest()[:16]
 
 
 class BadRecord(UserError):
