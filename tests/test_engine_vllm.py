@@ -357,6 +357,12 @@ def test_model_dir_checks(run, vllm_python, tmp_path):
 def test_stop_leaves_no_process(server):
     pids = server.pids()
     assert len(pids) >= 3  # supervisor, API server, engine core (+ worker, tracker)
+    # the engine core was forked from the API server (engines/vllm_serve.py), not
+    # spawned (a new Python that imports it all again): no exec, so its libraries sit at
+    # its parent's addresses (a new exec would place them anew: address randomisation)
+    core = [p for p in pids if "EngineCore" in _cmdline(p) + _comm(p)]
+    assert len(core) == 1, [(_cmdline(p), _comm(p)) for p in pids]
+    assert _libc_at(core[0]) == _libc_at(_parent(core[0])) is not None
     server.stop(timeout_s=20)
     assert group_pids(server.pid) == []
     assert not any(Path(f"/proc/{p}").exists() and _state(p) != "Z" for p in pids)
@@ -401,6 +407,17 @@ def test_engine_dies_with_its_launcher(run, vllm_python, tmp_path):
     for p in left:
         os.kill(p, signal.SIGKILL)
     assert left == [], (tmp_path / "orphan.log").read_text()[-2000:]
+
+
+def _parent(pid):
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _libc_at(pid):
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        if "/libc.so" in line or "/libc-" in line:
+            return line.split("-")[0]
+    return None
 
 
 def _children(pid):
