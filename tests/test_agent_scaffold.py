@@ -77,6 +77,7 @@ def probe_spec(tmp_path, **kw):
     agent_dir = tmp_path / "agent"
     agent_dir.mkdir()
     shutil.copy(HERE / "scaffold_probe.py", agent_dir)
+    kw.setdefault("keep_homes", "all")  # the probe's report is read from its home
     return ScaffoldConfig(type="command", command=("python3", "scaffold_probe.py"),
                           workdir=str(agent_dir), timeout_s=120, **kw)
 
@@ -131,6 +132,25 @@ def test_scaffold_timeout_and_failure(engine, tmp_path):
     record, _, _, _ = scaffold_run(engine, tmp_path / "fail", spec)
     assert record["status"] == "failed" and "code 3" in record["error"]
     assert record["scaffold"]["exit_code"] == 3
+    # keep_homes: failed (the default): a failed run's home stays, to see what went wrong
+    for name in ("slow", "fail"):
+        assert (tmp_path / name / "scaffolds" / "s0000-p000-g00" / "TASK.md").is_file()
+
+
+@pytest.mark.parametrize("keep, code, kept", [
+    ("failed", 0, False), ("none", 3, False), ("all", 0, True)])
+def test_an_ended_runs_home_goes_unless_kept(engine, tmp_path, keep, code, kept):
+    """A home holds up to disk_mb on the shared filesystem, for thousands of runs a job:
+    it goes once the run has ended, unless `keep_homes` keeps it; the log stays."""
+    spec = ScaffoldConfig(type="command", keep_homes=keep, command=(
+        "python3", "-c", f"open('notes.txt', 'w').write('x' * 1000); raise SystemExit({code})"))
+    record, _, _, _ = scaffold_run(engine, tmp_path / "run", spec)
+    assert record["status"] == ("ok" if code == 0 else "failed"), record
+    home = tmp_path / "run" / "scaffolds" / "s0000-p000-g00"
+    assert home.exists() == kept
+    if kept:
+        assert (home / "notes.txt").read_text() == "x" * 1000
+    assert Path(record["scaffold"]["log"]).is_file()
 
 
 def test_the_run_key_never_shows_in_a_command_line(engine, tmp_path, monkeypatch):
@@ -144,7 +164,7 @@ def test_the_run_key_never_shows_in_a_command_line(engine, tmp_path, monkeypatch
     script = ("import json, os, time; json.dump({'env': dict(os.environ)}, "
               "open('env.json', 'w')); time.sleep(4)")
     spec = ScaffoldConfig(type="command", command=("python3", "-c", script), timeout_s=60,
-                          env_vars={"MY_SETTING": "scaffold-only-value"})
+                          env_vars={"MY_SETTING": "scaffold-only-value"}, keep_homes="all")
     seen, done = [], threading.Event()
 
     def scan():
@@ -221,7 +241,8 @@ def test_a_run_past_its_model_calls_is_answered_429(engine, tmp_path):
     """gateway.max_calls_per_run bounds a scaffold's model calls (choices, recorded or
     in flight): a scaffold that loops on the model gets 429 past it, and nothing more is
     recorded; one request of n = 2 with one call left is refused whole."""
-    spec = ScaffoldConfig(type="command", command=("python3", "-c", CALLER), timeout_s=120)
+    spec = ScaffoldConfig(type="command", command=("python3", "-c", CALLER), timeout_s=120,
+                          keep_homes="all")  # its statuses.json is read below
     record, _, calls, _ = scaffold_run(engine, tmp_path / "run", spec, max_calls=5)
     statuses = json.loads((tmp_path / "run" / "scaffolds" / "s0000-p000-g00" /
                            "statuses.json").read_text())
@@ -276,7 +297,8 @@ def test_mini_swe_agent_runs_its_commands_in_the_task_sandbox(engine, minisweage
         port = await gw.start(HOST, 0, unix_path=sock_dir / "gateway.sock")
         client = EngineClient(await scripted.start(), "unused")
         gw.add_server("scripted", client, capacity=4)
-        spec = ScaffoldConfig(type="mini-swe-agent", step_limit=5, timeout_s=240)
+        spec = ScaffoldConfig(type="mini-swe-agent", step_limit=5, timeout_s=240,
+                              keep_homes="all")  # its trajectory file is read below
         runner = ScaffoldRunner(spec, python=minisweagent_python, run_dir=run_dir,
                                 socket_path=sock_dir / "gateway.sock",
                                 gateway_url=f"http://{HOST}:{port}")

@@ -20,7 +20,7 @@ CONFIG = ROOT / "configs" / "tiny-mini-swe-agent.yaml"
 STEPS = 2
 
 
-def check_scaffold_runs(run_dir):
+def check_scaffold_runs(run_dir, *, homes_kept: bool):
     # (not check_run_dir's metrics: a tiny model scores every run of a group alike, so
     # advantages, and the gradient, are zero; what matters here is that each run is
     # trained once)
@@ -35,22 +35,29 @@ def check_scaffold_runs(run_dir):
         assert set(r["tests"]) and all(isinstance(v, bool) for v in r["tests"].values())
         log = (run_dir / "logs" / f"scaffold-{r['run_id']}.log")
         assert log.exists()
+    homes = sorted(p.name for p in (run_dir / "scaffolds").iterdir())
+    if not homes_kept:  # agent.scaffold.keep_homes: failed (the default): every run was ok
+        assert homes == [], homes
+        return events
+    assert homes == sorted(r["run_id"] for r in records)
     secret = (run_dir / "secret").read_bytes().strip()
     for path in (run_dir / "scaffolds").rglob("*"):  # its homes: config, trajectory, task
         assert not path.is_file() or secret not in path.read_bytes(), path
-    assert any((run_dir / "scaffolds").rglob("mini.traj.json"))
+    assert len(list((run_dir / "scaffolds").rglob("mini.traj.json"))) == len(records)
     return events
 
 
 def test_gyre_run_with_mini_swe_agent_locally(tmp_path, minisweagent_python):
     run_dir = tmp_path / "run"
-    proc = gyre_run_config(run_dir)
+    proc = gyre_run_config(run_dir, "agent.scaffold.keep_homes=all")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    check_scaffold_runs(run_dir)
+    check_scaffold_runs(run_dir, homes_kept=True)
 
 
-def gyre_run_config(run_dir):
+def gyre_run_config(run_dir, *sets):
     args = [sys.executable, "-m", "gyre_slurm", "run", str(CONFIG), "--run-dir", str(run_dir)]
+    for item in sets:
+        args += ["--set", item]
     return subprocess.run(args, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                           capture_output=True, text=True, timeout=900)
 
@@ -62,5 +69,5 @@ def test_gyre_run_with_mini_swe_agent_under_slurm(slurm_cluster, tmp_path, minis
     state, _ = wait_done(slurm_cluster, job, timeout_s=900)
     log = (tmp_path / f"job-{job}.out").read_text()
     assert state == "COMPLETED", log[-3000:]
-    events = check_scaffold_runs(run_dir)
+    events = check_scaffold_runs(run_dir, homes_kept=False)  # the default: ok runs' go
     assert sorted(e["node"] for e in events if e["kind"] == "agent_registered") == [0, 1, 2, 3]

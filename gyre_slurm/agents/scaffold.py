@@ -18,9 +18,10 @@ The scaffold's sandbox (bubblewrap, `isolation: bwrap`):
   engines, the control server, the rendezvous store, other hosts);
 - filesystem: the system's directories and the scaffold's interpreter (its prefix and
   base prefix), read-only; its own writable home (`RUN_DIR/scaffolds/<run_id>/`, at
-  /home/agent); its `workdir` read-only at /opt/scaffold; gyre's two helper modules at
-  /opt/gyre; never the run dir (the job secret, other runs, the call store) nor the
-  task's files (it sees them only through commands);
+  /home/agent; removed once the run has ended ok, `keep_homes`); its `workdir`
+  read-only at /opt/scaffold; gyre's two helper modules at /opt/gyre; never the run
+  dir (the job secret, other runs, the call store) nor the task's files (it sees them
+  only through commands);
 - processes: private PID/IPC/UTS namespaces, uid nobody when started by root, no
   capabilities, a clean environment (OPENAI_BASE_URL, OPENAI_API_KEY = the run's key,
   GYRE_RUN_ID, GYRE_EXEC_URL, GYRE_TASK, the config's `env`), limits on address space,
@@ -37,6 +38,7 @@ import asyncio
 import atexit
 import functools
 import json
+import logging
 import os
 import shutil
 import signal
@@ -54,6 +56,7 @@ from gyre_slurm.envs.sandbox import (HIDDEN, SANDBOX_PATH, default_sandbox_uid, 
                                      ensure_bwrap, system_mounts, watch_disk)
 from gyre_slurm.errors import UserError
 
+log = logging.getLogger(__name__)
 HELPERS = Path(__file__).resolve().parent
 RELAY, MINI_ENV = "sandbox_gateway.py", "gyre_env.py"
 SANDBOX_PORT = 8000  # the relay's port on the sandbox's own loopback
@@ -141,6 +144,19 @@ class ScaffoldRunner:
 
     def home(self, run_id: str) -> Path:
         return self.run_dir / "scaffolds" / run_id
+
+    async def after_run(self, run_id: str, *, ok: bool) -> None:
+        """The run has ended: its home goes unless `keep_homes` keeps it (up to
+        `disk_mb` each on the shared filesystem, thousands of runs a job); its log stays."""
+        keep = self.spec.keep_homes
+        if keep == "all" or (keep == "failed" and not ok):
+            return
+        try:
+            await asyncio.to_thread(shutil.rmtree, self.home(run_id))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # left behind; the run and the job go on
+            log.warning("scaffold home of %s not removed: %s", run_id, exc)
 
     def _command(self, run_id: str, task: str, home_seen: str) -> tuple[list[str], dict]:
         """The scaffold's argv and extra environment (mini-swe-agent: its config too)."""
@@ -303,6 +319,7 @@ async def run_scaffold(runner: ScaffoldRunner, *, env, task, run_id: str, gatewa
     else:
         record.update(status=result.status, error=result.error)
     record["t_end"] = time.time()
+    await runner.after_run(run_id, ok=record["status"] == "ok")
     return record
 
 

@@ -103,6 +103,10 @@ class ScaffoldConfig:
     nproc: int = key(512, "processes and threads of the scaffold's sandbox")
     disk_mb: int = key(1024, "what the scaffold's home (RUN_DIR/scaffolds/<run_id>, on the "
                              "shared filesystem) may hold; past it the scaffold is stopped")
+    keep_homes: Literal["all", "failed", "none"] = key(
+        "failed", "whose homes stay once their run has ended: all, failed (those of runs "
+                  "that did not end ok, to see what went wrong), or none; a run's log "
+                  "(RUN_DIR/logs/scaffold-<run_id>.log) always stays")
 
     def __post_init__(self) -> None:
         if self.type not in SCAFFOLD_TYPES:
@@ -114,6 +118,8 @@ class ScaffoldConfig:
             raise FieldError("command", f"is set but type is {self.type!r}: set type: command")
         if self.isolation not in ("bwrap", "none"):
             raise FieldError("isolation", f"= {self.isolation!r}: use bwrap or none")
+        if self.keep_homes not in ("all", "failed", "none"):
+            raise FieldError("keep_homes", f"= {self.keep_homes!r}: use all, failed or none")
         for name in ("timeout_s", "step_limit", "memory_mb", "nproc", "disk_mb"):
             if not getattr(self, name) > 0:
                 raise FieldError(name, f"must be > 0, got {getattr(self, name)}")
