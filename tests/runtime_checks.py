@@ -7,6 +7,7 @@ from pathlib import Path
 
 from gyre_slurm.common.fsio import read_jsonl
 from gyre_slurm.runtime.metrics import read_metrics
+from gyre_slurm.runtime.rundir import RunDir
 from gyre_slurm.traj.process import process_run
 from gyre_slurm.traj.records import token_digest
 from gyre_slurm.traj.store import load_store
@@ -167,8 +168,7 @@ def check_stream_files(run_dir: Path, events: list[dict], *, num_steps: int) -> 
     holding what its event says it trained."""
     keep = run_config(run_dir).get("training", {}).get("keep_microbatch_steps", 2)
     standing = {(e["step"], e["index"]): e for e in trained_microbatches(events)}
-    files = {(int(p.name[4:10]), int(p.name[13:18])): p
-             for p in (run_dir / "stream").glob("step*_mb*.json")}
+    files = {(step, index): p for step, index, p in RunDir(run_dir).stream_files()}
     kept = {k for k in standing if keep == 0 or k[0] >= num_steps - keep}
     assert set(files) == kept, (sorted(files), sorted(kept))
     for key, path in files.items():

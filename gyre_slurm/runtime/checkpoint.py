@@ -380,8 +380,8 @@ def _drop_uncommitted_stream(rd: RunDir, version: int) -> None:
     """Micro-batches of steps the checkpoint does not hold were never applied to the
     weights: they are trained again, so their old files go (the stream dir then lists
     exactly what the committed steps trained)."""
-    for path in (rd.path / "stream").glob("step*_mb*.json"):
-        if int(path.name[4:10]) >= version:
+    for step, _, path in rd.stream_files():
+        if step >= version:
             path.unlink()
 
 

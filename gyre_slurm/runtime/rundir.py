@@ -47,7 +47,7 @@ from gyre_slurm.errors import UserError
 
 
 PRIVATE_DIRS = ("checkpoints", "weights", "trainer_state")  # the model's state: owner only
-STREAM_NAME = re.compile(r"step\d{6}_mb\d{5}\.json")  # RunDir.stream_file's names
+STREAM_NAME = re.compile(r"step(\d{6})_mb(\d{5})\.json")  # RunDir.stream_file's names
 
 
 class RunDir:
@@ -85,16 +85,22 @@ class RunDir:
     def stream_file(self, step: int, index: int) -> Path:
         return self.path / "stream" / f"step{step:06d}_mb{index:05d}.json"
 
+    def stream_files(self) -> list[tuple[int, int, Path]]:
+        """(step, index, path) of every micro-batch file in stream/ (other names skipped)."""
+        out = []
+        for path in (self.path / "stream").glob("step*_mb*.json"):
+            if m := STREAM_NAME.fullmatch(path.name):
+                out.append((int(m[1]), int(m[2]), path))
+        return out
+
     def prune_stream(self, *, before_step: int) -> int:
         """Remove the micro-batch files of the steps before `before_step` (trained: no
         rank reads them again, and a resume trains its uncommitted steps from the call
         store); how many went."""
-        removed = 0
-        for path in (self.path / "stream").glob("step*_mb*.json"):
-            if STREAM_NAME.fullmatch(path.name) and int(path.name[4:10]) < before_step:
-                path.unlink(missing_ok=True)
-                removed += 1
-        return removed
+        doomed = [path for step, _, path in self.stream_files() if step < before_step]
+        for path in doomed:
+            path.unlink(missing_ok=True)
+        return len(doomed)
 
     # -- creation --------------------------------------------------------------------
     def create(self, cfg: GyreConfig, *, config: bool = True) -> None:

@@ -122,7 +122,8 @@ class TrainingLoop:
                                                  packing=cfg.training.packing)
         except CommandError as exc:
             raise MicrobatchFailed(exc, (index, batch)) from exc
-        tokens = sum(len(t["token_ids"]) for t in batch)
+        lengths = [len(t["token_ids"]) for t in batch]
+        tokens = sum(lengths)
         if cfg.trainer.pace:  # emulated accelerators: see TrainerConfig.pace
             pace = cfg.training.node_tokens_per_s
             computed = stats.get("fed_tokens", tokens)  # positions the trainer computed
@@ -138,7 +139,7 @@ class TrainingLoop:
         # kept after its file goes (training.keep_microbatch_steps)
         self.job.rd.event("microbatch", step=step, index=index,
                           runs=[t["run_id"] for t in batch], tokens=tokens,
-                          lengths=[len(t["token_ids"]) for t in batch],
+                          lengths=lengths,
                           digests=[token_digest(t["token_ids"]) for t in batch],
                           members=list(world.members), seconds=dt, stats=stats,
                           again=again is not None)
@@ -176,14 +177,15 @@ class TrainingLoop:
         self.metrics.write(step=step, version=version, figures=figures)
         keep = self.job.cfg.training.keep_microbatch_steps
         if keep > 0:  # what ranks read is trained and in the events: the files may go
+            before = step + 1 - keep
             try:
-                removed = await asyncio.to_thread(rd.prune_stream, before_step=step + 1 - keep)
+                removed = await asyncio.to_thread(rd.prune_stream, before_step=before)
             except OSError as exc:  # the files stay; the job goes on (the next step retries)
-                rd.event("microbatches_prune_failed", before_step=step + 1 - keep,
+                rd.event("microbatches_prune_failed", before_step=before,
                          error=f"{type(exc).__name__}: {exc}")
             else:
                 if removed:
-                    rd.event("microbatches_pruned", before_step=step + 1 - keep, files=removed)
+                    rd.event("microbatches_pruned", before_step=before, files=removed)
         try:
             if self.wsync is not None:  # the ranks send it to every serving server
                 await self.streamed(self.wsync.publish(version))
