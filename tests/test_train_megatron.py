@@ -453,7 +453,7 @@ def test_published_weights_load_into_transformers(clusters, models, tmp_path, fa
     # step is compared where the reference gradient is 100 eps or more (a tied model's
     # gate_proj had one element of gradient 9.5e-9 off by 1.007e-4; the others 2.5e-5)
     state = model.state_dict()
-    param_diff = max(float(((p - state[k]).abs() * (grads[k].abs() >= 1e-6)).max())
+    param_diff = max(float(((p.detach() - state[k]).abs() * (grads[k].abs() >= 1e-6)).max())
                      for k, p in ref.named_parameters())
     print(f"step vs transformers: grad norm {steps[0]['grad_norm']:.6f} vs {norm:.6f}, "
           f"max param diff {param_diff:.2e}")
