@@ -1,5 +1,6 @@
 """The coordinator's ledger: batches, staleness, groups, streaming, exactly-once."""
 
+import numpy as np
 import pytest
 
 from gyre_slurm.runtime.book import StepBook, run_id_of
@@ -63,6 +64,30 @@ def test_streaming_microbatches_and_step_completion():
     assert b.step_done() == 1
     assert list(b.allowed_steps()) == [1, 2]  # step 0 is trained
     assert b.steps[0].trained_tokens == 4 * 3
+
+
+def test_trajectories_held_as_arrays_count_their_tokens_exactly():
+    """The rollout side hands the book numpy arrays (`Trajectory.to_dict`): 300 trained
+    tokens in a uint8 mask count 300 (a Python sum of uint8 values wraps at 256), and
+    sizes and micro-batches are those of the same trajectories as lists."""
+    counts = []
+    for form in (list, lambda v: np.asarray(v, dtype=np.uint8)):
+        b = book(prompts_per_step=1, group_size=2)
+        for r in b.pending():
+            b.start(r.run_id)
+        for g, n in enumerate((600, 40)):
+            rid = run_id_of(0, 0, g)
+            t = traj(rid, n)
+            t.update(token_ids=np.arange(n, dtype=np.int32) if form is not list else t[
+                "token_ids"], loss_mask=form(t["loss_mask"]))
+            b.finish(rid, status="ok", reward=float(g), trajectories=[t])
+        batches = []
+        while batch := b.next_microbatch(max_tokens=500, packing="tree"):
+            b.trained(batch)
+            batches.append([(t["run_id"], len(t["token_ids"])) for t in batch])
+        counts.append((b.steps[0].trained_tokens, type(b.steps[0].trained_tokens), batches))
+    assert counts[0] == counts[1]
+    assert counts[1][:2] == (320, int)
 
 
 def test_a_microbatch_holds_at_least_one_trajectory():

@@ -107,6 +107,24 @@ def test_staleness_of_runs_spanning_versions():
     assert staleness([old], version=4)["staleness/lag_hist"] == {"1": 2}
 
 
+def test_step_figures_of_trajectories_held_as_arrays_are_those_of_lists():
+    """The coordinator's book holds numpy arrays (`Trajectory.to_dict`): the same
+    figures, plain Python numbers (JSON, TensorBoard), and a response of 300 trained
+    tokens in a uint8 mask is 300 (a Python sum of uint8 values wraps at 256)."""
+    lists = [traj("a", [0] + [4] * 299 + [5]), traj("a", [0, 3, 3]), traj("b", [0, 5, 5])]
+    dtypes = {"token_ids": np.int32, "loss_mask": np.uint8, "logprobs": np.float32,
+              "versions": np.int64}
+    arrays = [{k: np.asarray(v, dtype=dtypes[k]) if k in dtypes else v
+               for k, v in t.items()} for t in lists]
+    figures = [step_metrics(sums={"tokens": 302}, trajectories=t, version=5,
+                            groups={0: [1.0, 0.0]}, grad_norm=None) for t in (lists, arrays)]
+    assert figures[0] == figures[1]
+    assert json.dumps(figures[1]) == json.dumps(figures[0])
+    assert figures[1]["length/response_max"] == 300
+    assert figures[1]["staleness/lag_hist"] == {"0": 3, "1": 299, "2": 2}
+    assert all(type(v) in (int, float, str, dict, type(None)) for v in figures[1].values())
+
+
 def test_rewards_spread_per_group():
     r = rewards({0: [1.0, 0.0, 1.0, 0.0], 1: [0.5, 0.5], 2: []})
     assert r["reward/mean"] == pytest.approx(0.5)

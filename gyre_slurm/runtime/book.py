@@ -29,6 +29,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from gyre_slurm.sched.ledger import WorkLedger
 from gyre_slurm.traj.treepack import tree_tokens
 
@@ -217,7 +219,8 @@ class StepBook:
         state = self.steps[self.version]
         state.batches.append((index, batch))
         state.trained += len(batch)
-        state.trained_tokens += sum(sum(t["loss_mask"]) for t in batch)
+        # (count_nonzero: a Python sum over a uint8 array would wrap at 256)
+        state.trained_tokens += sum(int(np.count_nonzero(t["loss_mask"])) for t in batch)
         state.trained_runs.extend(t["run_id"] for t in batch)
         self.work.train_done(self.version, _tokens(batch))
 

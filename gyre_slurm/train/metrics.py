@@ -37,6 +37,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from gyre_slurm.common.values import is_number
 
 # the trainers' log line for an optimizer step a non-finite gradient norm skips
@@ -100,20 +102,25 @@ def _mismatch(prefix: str, sums: dict[str, Any]) -> dict[str, Any]:
 
 def staleness(trajectories: Sequence[dict[str, Any]], *, version: int) -> dict[str, Any]:
     """Lag histogram and version spans of the step's runs (module doc). A trajectory
-    without per-token `versions` counts its `policy_version` for every trained token."""
+    without per-token `versions` counts its `policy_version` for every trained token.
+    Its arrays may be lists or numpy arrays (the coordinator's book holds arrays)."""
     hist: dict[int, int] = defaultdict(int)
     seen: dict[str, list[int]] = {}  # run -> [min version, max version, trained tokens]
     for t in trajectories:
-        mask = t["loss_mask"]
-        versions = t.get("versions") or [t.get("policy_version", version)] * len(mask)
-        trained = [v for m, v in zip(mask, versions) if m]
-        if not trained:
+        mask = np.asarray(t["loss_mask"]) != 0
+        if not mask.any():
             continue
-        for v in trained:
-            hist[version - v] += 1
-        lo, hi = min(trained), max(trained)
+        given = t.get("versions")
+        if given is None or len(given) == 0:
+            trained = np.full(int(mask.sum()), int(t.get("policy_version", version)))
+        else:
+            trained = np.asarray(given, dtype=np.int64)[mask]
+        lags, counts = np.unique(version - trained, return_counts=True)
+        for lag, n in zip(lags.tolist(), counts.tolist()):
+            hist[lag] += n
+        lo, hi, n = int(trained.min()), int(trained.max()), len(trained)
         run = seen.setdefault(t["run_id"], [lo, hi, 0])
-        run[0], run[1], run[2] = min(run[0], lo), max(run[1], hi), run[2] + len(trained)
+        run[0], run[1], run[2] = min(run[0], lo), max(run[1], hi), run[2] + n
     spans = {r: hi - lo for r, (lo, hi, _) in seen.items()}
     total = sum(hist.values())
     longest = max(seen, key=lambda r: seen[r][2]) if seen else None
@@ -137,7 +144,7 @@ def rewards(groups: dict[Any, list[float]]) -> dict[str, Any]:
 
 
 def lengths(trajectories: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    trained = [sum(t["loss_mask"]) for t in trajectories]
+    trained = [int(np.count_nonzero(t["loss_mask"])) for t in trajectories]
     total = [len(t["token_ids"]) for t in trajectories]
     return {"length/response_mean": statistics.fmean(trained) if trained else None,
             "length/response_max": max(trained) if trained else None,
