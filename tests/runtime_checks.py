@@ -8,6 +8,7 @@ from pathlib import Path
 from gyre_slurm.common.fsio import read_jsonl
 from gyre_slurm.runtime.metrics import read_metrics
 from gyre_slurm.runtime.rundir import RunDir
+from gyre_slurm.traj import mbfile
 from gyre_slurm.traj.process import process_run
 from gyre_slurm.traj.records import token_digest
 from gyre_slurm.traj.store import load_store
@@ -172,7 +173,7 @@ def check_stream_files(run_dir: Path, events: list[dict], *, num_steps: int) -> 
     kept = {k for k in standing if keep == 0 or k[0] >= num_steps - keep}
     assert set(files) == kept, (sorted(files), sorted(kept))
     for key, path in files.items():
-        batch = json.loads(path.read_text())
+        batch = mbfile.read(path)
         assert [t["run_id"] for t in batch] == standing[key]["runs"], key
         assert [token_digest(t["token_ids"]) for t in batch] == standing[key]["digests"], key
 

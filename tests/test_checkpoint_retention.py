@@ -56,13 +56,17 @@ def test_prune_stream_removes_the_older_steps_files_only(tmp_path):
     rd = RunDir(tmp_path / "run")
     (rd.path / "stream").mkdir(parents=True)
     for step, index in [(0, 0), (0, 1), (1, 0), (2, 0), (2, 3)]:
-        rd.stream_file(step, index).write_text("[]")
-    for odd in ("notes.txt", "step000000_mb00000.json.tmp", "stepXYZ_mb1.json"):
+        rd.stream_file(step, index).write_text("x")
+    # a run dir from before the safetensors files: its JSON micro-batches go the same way
+    (rd.path / "stream" / "step000001_mb00001.json").write_text("[]")
+    for odd in ("notes.txt", "step000000_mb00000.safetensors.tmp", "stepXYZ_mb1.json",
+                "step000000_mb00002.npz"):
         (rd.path / "stream" / odd).write_text("x")  # not a micro-batch file: stays
-    assert rd.prune_stream(before_step=2) == 3
+    assert rd.prune_stream(before_step=2) == 4
     assert _names(rd.path / "stream") == sorted([
-        "notes.txt", "step000000_mb00000.json.tmp", "stepXYZ_mb1.json",
-        "step000002_mb00000.json", "step000002_mb00003.json"])
+        "notes.txt", "step000000_mb00000.safetensors.tmp", "stepXYZ_mb1.json",
+        "step000000_mb00002.npz",
+        "step000002_mb00000.safetensors", "step000002_mb00003.safetensors"])
     assert rd.prune_stream(before_step=2) == 0
 
 

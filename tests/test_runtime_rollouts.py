@@ -72,7 +72,7 @@ def test_trajectories_are_built_while_the_event_loop_keeps_running(tmp_path, mon
     assert seen["thread"] != seen["loop_thread"]
     entry = book.runs[rid]
     assert entry.state == "ok" and len(entry.trajectories) == 1
-    assert entry.trajectories[0]["token_ids"][:3] == [1000, 1001, 1002]
+    assert entry.trajectories[0]["token_ids"][:3].tolist() == [1000, 1001, 1002]  # arrays
     assert book.ready_tokens() == len(entry.trajectories[0]["token_ids"])  # group released
     events = [json.loads(line) for line in rd.events_file.read_text().splitlines()]
     assert [e["trajectories"] for e in events if e["kind"] == "run_end"] == [1]

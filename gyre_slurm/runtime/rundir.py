@@ -47,7 +47,8 @@ from gyre_slurm.errors import UserError
 
 
 PRIVATE_DIRS = ("checkpoints", "weights", "trainer_state")  # the model's state: owner only
-STREAM_NAME = re.compile(r"step(\d{6})_mb(\d{5})\.json")  # RunDir.stream_file's names
+# RunDir.stream_file's names (.json: a run dir from before the safetensors files)
+STREAM_NAME = re.compile(r"step(\d{6})_mb(\d{5})\.(?:safetensors|json)")
 
 
 class RunDir:
@@ -83,12 +84,12 @@ class RunDir:
         return self.path / "logs" / f"{name}.log"
 
     def stream_file(self, step: int, index: int) -> Path:
-        return self.path / "stream" / f"step{step:06d}_mb{index:05d}.json"
+        return self.path / "stream" / f"step{step:06d}_mb{index:05d}.safetensors"
 
     def stream_files(self) -> list[tuple[int, int, Path]]:
         """(step, index, path) of every micro-batch file in stream/ (other names skipped)."""
         out = []
-        for path in (self.path / "stream").glob("step*_mb*.json"):
+        for path in (self.path / "stream").glob("step*_mb*"):
             if m := STREAM_NAME.fullmatch(path.name):
                 out.append((int(m[1]), int(m[2]), path))
         return out

@@ -38,7 +38,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gyre_slurm.common.fsio import write_json_atomic
 from gyre_slurm.runtime.control import ControlClient
 from gyre_slurm.train.layout import HandoffPlan, layout, plan_handoff
 
@@ -172,9 +171,12 @@ class TrainWorld:
                                packing: str = "tree") -> dict:
         """Train a micro-batch on every member; their sums, merged exactly
         (`gyre_slurm.train.metrics.merge`: counts and sums add, maxima take the max)."""
+        from gyre_slurm.traj import mbfile
         from gyre_slurm.train.metrics import merge_all
 
-        write_json_atomic(path, batch)
+        # Off the event loop: at the presets' sizes a micro-batch is gigabytes of tokens,
+        # and the loop serves the gateway's calls meanwhile
+        await asyncio.to_thread(mbfile.write, path, batch)
         results = await self._all(self.members, "/cmd/train_mb",
                                   {"path": str(path), "num_step_tokens": 1,
                                    "packing": packing})

@@ -15,8 +15,8 @@ answer `{"id": N, "result": {...}}` or `{"id": N, "error": "Type: message",
 "traceback": "..."}`. Methods run one at a time in arrival order (collectives must be
 issued in the same order on every rank). The node agent's methods: join (args: spec
 {generation, world_size, store_host, store_port, backend}, rank, src_rank,
-init_weights, checkpoint), flush, leave, train_mb (args: path of a micro-batch JSON
-file, num_step_tokens, packing), step (publish_dir, num_step_tokens), save (path), digests,
+init_weights, checkpoint), flush, leave, train_mb (args: path of a micro-batch file
+(`gyre_slurm.traj.mbfile`), num_step_tokens, packing), step (publish_dir, num_step_tokens), save (path), digests,
 ping; any other name calls the worker's method of that name with `args` as keyword
 arguments (a `spec` dict becomes a WorldSpec, `path`, `init_weights`, `checkpoint`,
 `publish_dir` become paths): the tests drive `eval_loss`, `token_logprobs`, ... so. stdout carries only answers (anything else printed
@@ -102,7 +102,9 @@ def dispatch(worker, method: str, a: dict):
     if method == "leave":
         return worker.leave() or {}
     if method == "train_mb":
-        mb = json.loads(Path(a["path"]).read_text())
+        from gyre_slurm.traj import mbfile
+
+        mb = mbfile.read(Path(a["path"]))
         return worker.train_microbatch(mb, num_step_tokens=a["num_step_tokens"],
                                        packing=a.get("packing", "tree"))
     if method == "step":

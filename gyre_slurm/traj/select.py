@@ -56,6 +56,16 @@ class Trajectory:
     def num_trained(self) -> int:
         return int(self.loss_mask.sum())
 
+    def to_dict(self) -> dict[str, Any]:
+        """`to_json`'s fields with the arrays as they are (numpy): how the coordinator's
+        book holds a trajectory until a micro-batch file takes it
+        (`gyre_slurm.traj.mbfile`), about 5x less memory than lists of Python numbers
+        (`tools/bench_microbatch_io.py`)."""
+        return {"run_id": self.run_id, "token_ids": self.token_ids,
+                "loss_mask": self.loss_mask, "logprobs": self.logprobs,
+                "versions": self.versions, "policy_version": self.policy_version,
+                "advantage": self.advantage}
+
     def to_json(self) -> dict[str, Any]:
         """The trajectory line (docs/runtime.md), with `versions` (the policy version of each
         trained token, -1 elsewhere: the trainer measures staleness with it)."""
