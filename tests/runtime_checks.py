@@ -6,21 +6,13 @@ from collections import Counter
 from pathlib import Path
 
 from gyre_slurm.common.fsio import read_jsonl
+from gyre_slurm.monitor.model import LIFE_STARTS, trained_microbatches
 from gyre_slurm.runtime.metrics import read_metrics
 from gyre_slurm.runtime.rundir import RunDir
 from gyre_slurm.traj import mbfile
 from gyre_slurm.traj.process import process_run
 from gyre_slurm.traj.records import token_digest
 from gyre_slurm.traj.store import load_store
-
-
-def trained_microbatches(events: list[dict]) -> list[dict]:
-    """The micro-batch events whose training stands: those of the steps each life
-    committed, and of a micro-batch trained again (its step rewound) the last."""
-    last: dict[tuple[int, int], dict] = {}
-    for e in committed_microbatches(events):
-        last[(e["step"], e["index"])] = e
-    return list(last.values())
 
 
 def trained_trajectories(run_dir: Path) -> Counter:
@@ -67,9 +59,6 @@ def check_runs_trained_once(run_dir: Path) -> None:
     trained, expected = trained_trajectories(run_dir), expected_trajectories(run_dir)
     assert trained == expected
     assert max(trained.values()) == 1
-
-
-LIFE_STARTS = ("resume", "start")  # events that carry the version a life starts from
 
 
 def check_steps_in_order(events: list[dict], *, num_steps: int) -> None:
@@ -123,19 +112,6 @@ def check_metrics(run_dir: Path, events: list[dict], *, num_steps: int) -> None:
         assert [s.step for s in scalars] == list(range(num_steps)), (tag, scalars)
         for s, m in zip(scalars, lines):
             assert abs(s.value - m[tag]) <= 1e-6 * max(1.0, abs(m[tag])), (tag, s, m[tag])
-
-
-def committed_microbatches(events: list[dict]) -> list[dict]:
-    """The micro-batch events of the steps each life committed: a life that starts at
-    version V (resumed, or started again from 0) drops the files of steps >= V (trained
-    again), so their earlier events go too."""
-    out: list[dict] = []
-    for e in events:
-        if e["kind"] in LIFE_STARTS:
-            out = [m for m in out if m["step"] < e["version"]]
-        elif e["kind"] == "microbatch":
-            out.append(e)
-    return out
 
 
 def check_packing(run_dir: Path, events: list[dict]) -> None:

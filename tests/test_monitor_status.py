@@ -490,3 +490,23 @@ def test_the_commands_a_run_prints_are_quoted_for_the_shell(tmp_path):
     run_dir = tmp_path / "a b; touch x" / "$(touch y)"
     watch = [line for line in start_text(run_dir).splitlines() if "watch" in line][0]
     assert shlex.split(watch.split("watch", 1)[1]) == ["gyre", "status", str(run_dir)]
+
+
+def test_trained_microbatches_keep_each_ones_last_standing_training():
+    """What a run trained, from its events: a rewound step's micro-batch counts its last
+    training; a life that starts at version V (a resume) drops the earlier events of
+    steps >= V, which it trains again; steps before V stay."""
+    def mb(step, index, tag):
+        return {"kind": "microbatch", "step": step, "index": index, "tag": tag}
+
+    events = [{"kind": "start", "version": 0}, mb(0, 0, "a"), mb(0, 1, "b"),
+              {"kind": "step", "step": 0}, mb(1, 0, "c"), mb(1, 1, "d"),
+              mb(1, 0, "c again"),  # step 1 rewound: both trained again
+              mb(1, 1, "d again"), {"kind": "step", "step": 1}, mb(2, 0, "e"),
+              {"kind": "resume", "version": 2},  # checkpoint of step 1: step 2 again
+              mb(2, 0, "e2"), mb(2, 1, "f2"), {"kind": "step", "step": 2}]
+    got = [e["tag"] for e in model.trained_microbatches(events)]
+    assert got == ["a", "b", "c again", "d again", "e2", "f2"]
+    # started again from 0 (no checkpoint): nothing before counts
+    assert [e["tag"] for e in model.trained_microbatches(
+        events + [{"kind": "start", "version": 0}, mb(0, 0, "z")])] == ["z"]

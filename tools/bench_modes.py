@@ -59,6 +59,7 @@ from gyre_slurm.common.fsio import (check_output_file, make_folder, read_jsonl, 
 from gyre_slurm.config.loader import apply_overrides, dump_yaml, from_dict, load_yaml_file, to_dict  # noqa: E402
 from gyre_slurm.config.schema import GyreConfig  # noqa: E402
 from gyre_slurm.errors import UserError  # noqa: E402
+from gyre_slurm.monitor.model import trained_microbatches  # noqa: E402
 from gyre_slurm.runtime.book import run_id_of  # noqa: E402
 
 BENCH_CLUSTER = {"state_dir": "/tmp/gyre-bench-slurm", "ctld_port": 16827,
@@ -198,13 +199,12 @@ def measure(run_dir: Path, cfg: GyreConfig) -> dict:
     store = load_store(run_dir)
     oldest = {rid: min(c.policy_version for c in calls) for rid, calls in store.runs.items()}
     # What each micro-batch trained, from its event (the files of older steps are
-    # pruned: training.keep_microbatch_steps); one trained again (a rewound step) counts
-    # once, its last training.
+    # pruned: training.keep_microbatch_steps); one trained again (a rewound step, a
+    # resumed life) counts once, its last training.
     lags, seen, tokens_of = [], Counter(), defaultdict(int)
-    standing = {(e["step"], e["index"]): e for e in mbs}
-    for (step, _index), e in sorted(standing.items()):
+    for e in trained_microbatches(events):
         for rid, length, digest in zip(e["runs"], e["lengths"], e["digests"]):
-            lags.append(step - oldest[rid])
+            lags.append(e["step"] - oldest[rid])
             seen[(rid, digest)] += 1
             tokens_of[rid] += length
     return {

@@ -435,6 +435,28 @@ def step_metrics(events: list[dict]) -> list[dict]:
     return [{"step": k, **by_step[k]} for k in sorted(by_step)]
 
 
+LIFE_STARTS = ("resume", "start")  # events that carry the version a life starts from
+
+
+def trained_microbatches(events: list[dict]) -> list[dict]:
+    """The `microbatch` events whose training stands, in the order trained: those of
+    the steps each life committed (a life that starts at version V, resumed or started
+    again from 0, trains the steps >= V again, so their earlier events go), and of a
+    micro-batch trained again (its step rewound) the last. What the run trained, once
+    each, after its micro-batch files are gone (training.keep_microbatch_steps)."""
+    out: list[dict] = []
+    for e in events:
+        if e["kind"] in LIFE_STARTS:
+            out = [m for m in out if m["step"] < e["version"]]
+        elif e["kind"] == "microbatch":
+            out.append(e)
+    last: dict[tuple[int, int], dict] = {}
+    for e in out:
+        last.pop((e["step"], e["index"]), None)
+        last[(e["step"], e["index"])] = e
+    return list(last.values())
+
+
 def load(run_dir: Path, tail: EventTail | None = None,
          status: StatusReader | None = None) -> Snapshot:
     tail = tail or EventTail(run_dir / "events.jsonl")
