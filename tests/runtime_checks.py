@@ -27,9 +27,10 @@ def trained_trajectories(run_dir: Path) -> Counter:
     return seen
 
 
-def processed_trajectories(run_dir: Path, max_per_run: int = 5) -> dict[tuple[str, str], list]:
+def processed_trajectories(run_dir: Path) -> dict[tuple[str, str], list]:
     """(run_id, token digest) -> token ids of every trajectory, rebuilt independently
-    from the call store for every ok run."""
+    from the call store for every ok run, with the run's K (training.max_per_run)."""
+    max_per_run = run_config(run_dir).get("training", {}).get("max_per_run", 5)
     ok = {r["run_id"] for r in read_jsonl(run_dir / "runs" / "runs.jsonl") if r["status"] == "ok"}
     loaded = load_store(run_dir)
     out = {}
@@ -39,15 +40,11 @@ def processed_trajectories(run_dir: Path, max_per_run: int = 5) -> dict[tuple[st
     return out
 
 
-def expected_trajectories(run_dir: Path, max_per_run: int = 5) -> Counter:
-    """What `trained_trajectories` should find: each processed trajectory once."""
-    return Counter(processed_trajectories(run_dir, max_per_run).keys())
-
-
-def check_runs_trained_once(run_dir: Path) -> None:
+def check_runs_trained_once(run_dir: Path, processed: dict | None = None) -> None:
     """Every run that started ended for a reason of its own (none was killed by a
     handoff; only a job kill leaves a run without a record, and then a later attempt of
-    it ran), all ok, and every ok run's trajectories were trained exactly once."""
+    it ran), all ok, and every ok run's trajectories were trained exactly once
+    (`processed`: `processed_trajectories(run_dir)`, where the caller has it)."""
     records = list(read_jsonl(run_dir / "runs" / "runs.jsonl"))
     started = [r["run_id"] for r in read_jsonl(run_dir / "runs" / "started.jsonl")]
     ended = {r["run_id"]: r for r in records}
@@ -56,8 +53,9 @@ def check_runs_trained_once(run_dir: Path) -> None:
         base = rid.split("-a")[0]
         assert any(e.startswith(base + "-a") and e > rid for e in ended), rid
     assert all(r["status"] == "ok" for r in records), [r for r in records if r["status"] != "ok"]
-    trained, expected = trained_trajectories(run_dir), expected_trajectories(run_dir)
-    assert trained == expected
+    processed = processed_trajectories(run_dir) if processed is None else processed
+    trained = trained_trajectories(run_dir)
+    assert trained == Counter(processed.keys())  # each processed trajectory once
     assert max(trained.values()) == 1
 
 
@@ -114,7 +112,7 @@ def check_metrics(run_dir: Path, events: list[dict], *, num_steps: int) -> None:
             assert abs(s.value - m[tag]) <= 1e-6 * max(1.0, abs(m[tag])), (tag, s, m[tag])
 
 
-def check_packing(run_dir: Path, events: list[dict]) -> None:
+def check_packing(run_dir: Path, events: list[dict], processed: dict | None = None) -> None:
     """Every micro-batch computed what its packing says (config.yaml's
     training.packing): tree, each run's prefix tree once (its tree tokens, no padding),
     a run never split across micro-batches; rows, every trajectory whole. The batches
@@ -122,7 +120,7 @@ def check_packing(run_dir: Path, events: list[dict]) -> None:
     from gyre_slurm.traj.treepack import tree_tokens
 
     packing = run_config(run_dir).get("training", {}).get("packing", "tree")
-    ids = processed_trajectories(run_dir)
+    ids = processed_trajectories(run_dir) if processed is None else processed
     seen_runs: dict[str, tuple[int, int]] = {}
     for e in trained_microbatches(events):
         batch = [{"run_id": rid, "token_ids": ids[(rid, d)]}
@@ -161,9 +159,10 @@ def run_config(run_dir: Path) -> dict:
 
 
 def check_run_dir(run_dir: Path, *, num_steps: int) -> list[dict]:
-    check_runs_trained_once(run_dir)
+    processed = processed_trajectories(run_dir)  # the call store, read and processed once
+    check_runs_trained_once(run_dir, processed)
     events = list(read_jsonl(run_dir / "events.jsonl"))
-    check_packing(run_dir, events)
+    check_packing(run_dir, events, processed)
     check_stream_files(run_dir, events, num_steps=num_steps)
     check_steps_in_order(events, num_steps=num_steps)
     check_metrics(run_dir, events, num_steps=num_steps)
