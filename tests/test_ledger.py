@@ -39,7 +39,7 @@ def expected(b: StepBook) -> dict:
     for s in b.allowed_steps():
         runs = [b.runs[r] for r in b.steps[s].runs]
         open_groups = {r.prompt for r in runs if r.state in ("pending", "running")}
-        waiting += sum(tokens(r.trajectories) for r in runs
+        waiting += sum(r.tokens for r in runs
                        if r.state == "ok" and (s > v or r.prompt in open_groups))
     return {"ready": tokens(b.steps[v].ready), "waiting": waiting,
             "runs_left": sum(1 for r in b.steps[v].runs

@@ -90,6 +90,36 @@ def test_trajectories_held_as_arrays_count_their_tokens_exactly():
     assert counts[1][:2] == (320, int)
 
 
+def test_the_book_holds_no_trajectory_of_a_trained_step():
+    """A job of days must not keep every token it trained: once a group is released its
+    trajectories live in the step's queue and batches only, and once the step is
+    trained nothing of them is held (the runs keep their counts and token totals)."""
+    import gc
+    import weakref
+
+    b = book(num_steps=3, prompts_per_step=2, group_size=2, staleness=1)
+    refs, counts = [], []
+    for step in range(3):
+        for r in b.pending():
+            b.start(r.run_id)
+        for r in [e for e in b.runs.values() if e.state == "running" and e.step == step]:
+            arr = np.arange(10 + r.member, dtype=np.int32)
+            refs.append(weakref.ref(arr))
+            t = dict(traj(r.run_id, len(arr)), token_ids=arr)
+            b.finish(r.run_id, status="ok", reward=float(r.member), trajectories=[t])
+        while batch := b.next_microbatch(max_tokens=100):
+            b.trained(batch)
+        assert b.tokens_per_run(step) == 10.5
+        b.step_done()
+        counts.append(b.run_counts()["trained"])
+        del arr, t  # the test's own last references
+        gc.collect()
+        assert all(ref() is None for ref in refs), f"step {step}'s tokens still held"
+        assert all(e.trajectories == [] for e in b.runs.values())
+    assert counts == [4, 8, 12]
+    assert [b.tokens_per_run(s) for s in range(3)] == [10.5] * 3
+
+
 def test_a_microbatch_holds_at_least_one_trajectory():
     b = book(prompts_per_step=1, group_size=1)
     b.start(run_id_of(0, 0, 0))

@@ -71,9 +71,11 @@ def test_trajectories_are_built_while_the_event_loop_keeps_running(tmp_path, mon
     assert seen["released"], "the tree was built on the event loop's thread"
     assert seen["thread"] != seen["loop_thread"]
     entry = book.runs[rid]
-    assert entry.state == "ok" and len(entry.trajectories) == 1
-    assert entry.trajectories[0]["token_ids"][:3].tolist() == [1000, 1001, 1002]  # arrays
-    assert book.ready_tokens() == len(entry.trajectories[0]["token_ids"])  # group released
+    assert entry.state == "ok" and entry.num_trajectories == 1
+    [ready] = book.steps[0].ready  # group released: the step's queue holds it, not the run
+    assert entry.trajectories == [] and ready["run_id"] == rid
+    assert ready["token_ids"][:3].tolist() == [1000, 1001, 1002]  # arrays
+    assert book.ready_tokens() == len(ready["token_ids"]) == entry.tokens
     events = [json.loads(line) for line in rd.events_file.read_text().splitlines()]
     assert [e["trajectories"] for e in events if e["kind"] == "run_end"] == [1]
     assert not rd.runs_file.exists()  # a run this manager never started: not recorded

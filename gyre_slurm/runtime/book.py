@@ -46,7 +46,12 @@ class RunEntry:
     attempt: int = 0
     state: str = "pending"  # pending | running | ok | failed | timeout
     reward: float = 0.0
+    # held until its group is released to training (the step's ready queue and trained
+    # batches hold them from then on, until the step is trained): the ledger keeps no
+    # run's tokens for the job's life
     trajectories: list[dict] = field(default_factory=list)
+    num_trajectories: int = 0  # an ok run's trajectories, and their tokens: kept
+    tokens: int = 0
 
 
 @dataclass
@@ -109,8 +114,8 @@ class StepBook:
             step = self.steps[self.version]
             done = Counter(step.trained_runs)
             trained += sum(1 for rid in step.runs if self.runs[rid].state == "ok"
-                           and self.runs[rid].trajectories
-                           and done[rid] >= len(self.runs[rid].trajectories))
+                           and self.runs[rid].num_trajectories
+                           and done[rid] >= self.runs[rid].num_trajectories)
         counts["ok"] -= trained
         counts["trained"] += trained
         return {s: counts[s] for s in ("pending", "running", "ok", "failed", "timeout",
@@ -148,9 +153,10 @@ class StepBook:
         assert entry.state in ("running", "pending"), entry
         entry.state, entry.reward = status, reward
         entry.trajectories = trajectories if status == "ok" else []
+        entry.num_trajectories, entry.tokens = len(entry.trajectories), _tokens(entry.trajectories)
         self.work.run_finished(step=entry.step,
                                group=entry.step * self.prompts + entry.prompt,
-                               tokens=_tokens(entry.trajectories))
+                               tokens=entry.tokens)
         group = [self.runs[r] for r in self.steps[entry.step].runs
                  if self.runs[r].prompt == entry.prompt]
         if any(r.state in ("pending", "running") for r in group):
@@ -163,6 +169,7 @@ class StepBook:
         for r in ok:
             for traj in r.trajectories:
                 ready.append(dict(traj, advantage=r.reward - mean))
+            r.trajectories = []  # the ready queue holds them now
         self.steps[entry.step].ready.extend(ready)
         return ready
 
@@ -249,8 +256,8 @@ class StepBook:
         ledger counts a run's work); None until one has ended."""
         if not 0 <= step < self.num_steps:
             return None
-        toks = [_tokens(self.runs[r].trajectories) for r in self.steps[step].runs
-                if self.runs[r].trajectories]
+        toks = [self.runs[r].tokens for r in self.steps[step].runs
+                if self.runs[r].num_trajectories]
         return sum(toks) / len(toks) if toks else None
 
 
