@@ -271,6 +271,10 @@ def test_history_is_bounded_and_takes_longest_anchor():
     hist.add("r", Served(3, Anchor.extend(None, "a", [3]), None))  # call 1 falls out
     assert hist.match("r", "abcdef")[1] == 2
     assert hist.stats()["calls"] == 2
+    hist.add("s", Served(0, Anchor.extend(None, "x", [0]), None))
+    assert hist.num_runs() == hist.stats()["runs"] == 2
+    hist.forget("r")
+    assert hist.num_runs() == hist.stats()["runs"] == 1
     with pytest.raises(ValueError):
         History(calls_per_run=0)
 

@@ -172,7 +172,7 @@ class Gateway:
 
     def run_stats(self) -> dict[str, int]:
         """Live job and external runs, ended external ids remembered, runs with history."""
-        return {**self.runs.stats(), "history_runs": self.history.stats()["runs"]}
+        return {**self.runs.stats(), "history_runs": self.history.num_runs()}
 
     def calls_of(self, run_id: str) -> int:
         """Calls recorded for a live run (0 once it ended: nothing is kept)."""

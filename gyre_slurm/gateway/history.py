@@ -149,8 +149,14 @@ class History:
         return Anchor.extend(base, text[base.length:], rest), base.full_ids() + rest, \
             (call, kind)
 
+    def num_runs(self) -> int:
+        """Runs with anchors held (what the status file shows each second: `stats` walks
+        every anchor chain, 0.28 s for 1,000 runs of 400 calls)."""
+        return len(self._runs)
+
     def stats(self) -> dict[str, int]:
-        """Runs, calls, and the distinct anchor segments held (characters, ids)."""
+        """Runs, calls, and the distinct anchor segments held (characters, ids): every
+        anchor chain walked, for tests and diagnosis, not for a loop."""
         calls = [s for d in self._runs.values() for s in d]
         segments: dict[int, Anchor] = {}
         for s in calls:
