@@ -10,6 +10,7 @@ ledger; its tables are checked directly."""
 from __future__ import annotations
 
 import ast
+from collections import Counter
 from pathlib import Path
 
 from hypothesis import given, settings
@@ -44,6 +45,22 @@ def expected(b: StepBook) -> dict:
     return {"ready": tokens(b.steps[v].ready), "waiting": waiting,
             "runs_left": sum(1 for r in b.steps[v].runs
                              if b.runs[r].state in ("pending", "running"))}
+
+
+def counted(b: StepBook) -> dict:
+    """`run_counts` as it was computed before the book kept counts: from every run."""
+    counts = Counter(r.state for r in b.runs.values())
+    trained = sum(1 for step in b.steps[:b.version] for rid in step.runs
+                  if b.runs[rid].state == "ok")
+    if b.version < b.num_steps:
+        step = b.steps[b.version]
+        done = Counter(step.trained_runs)
+        trained += sum(1 for rid in step.runs if b.runs[rid].state == "ok"
+                       and b.runs[rid].num_trajectories
+                       and done[rid] >= b.runs[rid].num_trajectories)
+    counts["ok"] -= trained
+    counts["trained"] += trained
+    return {s: counts[s] for s in ("pending", "running", "ok", "failed", "timeout", "trained")}
 
 
 def observed(b: StepBook) -> dict:
@@ -88,6 +105,10 @@ def test_the_books_ledger_counts_what_its_trajectories_hold(actions):
         elif action == "step" and b.step_complete() and not in_progress:
             b.step_done()
         assert observed(b) == expected(b), (action, pick, size)
+        assert b.run_counts() == counted(b), (action, pick, size)
+    resumed = StepBook(num_steps=3, prompts_per_step=2, group_size=2, staleness=1)
+    resumed.mark_trained_before(b.version)
+    assert resumed.run_counts() == counted(resumed)
     assert b.work.trained_total + b.work.in_progress_total <= b.work.done_total
 
 
