@@ -106,6 +106,10 @@ def test_the_books_ledger_counts_what_its_trajectories_hold(actions):
             b.step_done()
         assert observed(b) == expected(b), (action, pick, size)
         assert b.run_counts() == counted(b), (action, pick, size)
+        state = b.steps[b.version] if not b.done() else None
+        assert b.step_complete() == (state is not None and all(
+            b.runs[r].state not in ("pending", "running") for r in state.runs)
+            and not state.ready and not state.redo and state.trained == state.handed_out)
     resumed = StepBook(num_steps=3, prompts_per_step=2, group_size=2, staleness=1)
     resumed.mark_trained_before(b.version)
     assert resumed.run_counts() == counted(resumed)

@@ -246,7 +246,9 @@ class StepBook:
         if self.version >= self.num_steps:
             return False
         state = self.steps[self.version]
-        ended = all(self.runs[r].state not in ("pending", "running") for r in state.runs)
+        # (the ledger's count: the training loop asks every 50 ms while it waits, and
+        # looking at every run of the step took 1.9 ms at 20,000 runs)
+        ended = self.work.step_runs_left(self.version) == 0
         return (ended and not state.ready and not state.redo
                 and state.trained == state.handed_out)
 
