@@ -48,16 +48,11 @@ def expected(b: StepBook) -> dict:
 
 
 def counted(b: StepBook) -> dict:
-    """`run_counts` as it was computed before the book kept counts: from every run."""
+    """`run_counts` as it was computed before the book kept counts: from every run (the
+    step being trained by the book's own `trained_in_step`, which did not change)."""
     counts = Counter(r.state for r in b.runs.values())
     trained = sum(1 for step in b.steps[:b.version] for rid in step.runs
-                  if b.runs[rid].state == "ok")
-    if b.version < b.num_steps:
-        step = b.steps[b.version]
-        done = Counter(step.trained_runs)
-        trained += sum(1 for rid in step.runs if b.runs[rid].state == "ok"
-                       and b.runs[rid].num_trajectories
-                       and done[rid] >= b.runs[rid].num_trajectories)
+                  if b.runs[rid].state == "ok") + b.trained_in_step()
     counts["ok"] -= trained
     counts["trained"] += trained
     return {s: counts[s] for s in ("pending", "running", "ok", "failed", "timeout", "trained")}

@@ -110,17 +110,21 @@ class StepBook:
         ok run once its last trajectory is (a rewound step's count drops back); `ok`
         counts the ended ok runs not yet trained."""
         counts = Counter(self._states)
-        trained = self._trained_before
-        if self.version < self.num_steps:
-            step = self.steps[self.version]
-            done = Counter(step.trained_runs)
-            trained += sum(1 for rid in step.runs if self.runs[rid].state == "ok"
-                           and self.runs[rid].num_trajectories
-                           and done[rid] >= self.runs[rid].num_trajectories)
+        trained = self._trained_before + self.trained_in_step()
         counts["ok"] -= trained
         counts["trained"] += trained
         return {s: counts[s] for s in ("pending", "running", "ok", "failed", "timeout",
                                        "trained")}
+
+    def trained_in_step(self) -> int:
+        """The ok runs of the step being trained whose every trajectory is trained."""
+        if self.version >= self.num_steps:
+            return 0
+        step = self.steps[self.version]
+        done = Counter(step.trained_runs)
+        return sum(1 for rid in step.runs if self.runs[rid].state == "ok"
+                   and self.runs[rid].num_trajectories
+                   and done[rid] >= self.runs[rid].num_trajectories)
 
     def future(self) -> int:
         return sum(len(s.runs) for s in self.steps[self.allowed_steps().stop:])
@@ -132,8 +136,7 @@ class StepBook:
         for step in self.steps[:version]:
             for rid in step.runs:
                 self._set_state(self.runs[rid], "trained")
-        self._trained_before = sum(1 for step in self.steps[:version] for rid in step.runs
-                                   if self.runs[rid].state == "ok")
+        self._trained_before = 0  # those steps' runs are counted as "trained" themselves
 
     def _set_state(self, entry: RunEntry, state: str) -> None:
         self._states[entry.state] -= 1
